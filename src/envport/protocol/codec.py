@@ -1,0 +1,51 @@
+"""Encoding and decoding of frames (orjson), with size and shape checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from envport.errors import EnvportError, InvalidJSONError, PayloadTooLargeError, ProtocolError
+
+#: Client frame types a server understands.
+FRAME_TYPES = frozenset(
+    {"reset", "step", "state", "close", "mcp", "hello", "open", "batch", "ping"}
+)
+
+
+def encode(frame: dict[str, Any]) -> bytes:
+    return orjson.dumps(frame)
+
+
+def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
+    """Parse one client frame or raise the protocol error that describes it."""
+    if len(raw) > max_bytes:
+        raise PayloadTooLargeError(
+            f"Frame of {len(raw)} bytes exceeds the limit of {max_bytes} bytes.",
+            limit_bytes=max_bytes,
+        )
+    try:
+        frame = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSONError(f"Invalid JSON: {exc}") from exc
+    if not isinstance(frame, dict):
+        raise ProtocolError(
+            f"A frame must be a JSON object, got {type(frame).__name__}.",
+        )
+    kind = frame.get("type")
+    if kind not in FRAME_TYPES:
+        raise ProtocolError(
+            f"Unknown message type: {kind!r}. Known: {', '.join(sorted(FRAME_TYPES))}.",
+        )
+    data = frame.get("data")
+    if data is not None and not isinstance(data, dict | list):
+        raise ProtocolError(f"'data' of a {kind!r} frame must be an object.")
+    return frame
+
+
+def error_frame(exc: EnvportError, frame_id: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "error", "data": exc.to_wire()}
+    if frame_id is not None:
+        out["id"] = frame_id
+    return out

@@ -1,0 +1,148 @@
+"""Session bookkeeping for one server process: capacity, the wait queue, the reaper.
+
+Admission: at most ``max_sessions`` live sessions. A request beyond that waits in a
+bounded FIFO queue (``max_queue`` waiters, each at most ``queue_timeout_s``); when the
+queue is full or the wait runs out it gets :class:`~envport.errors.CapacityError` with a
+``retry_after_s`` hint.
+
+Reaping: a session is reaped only when nothing holds it: no open connection attached
+*and* idle for ``idle_timeout_s`` (HTTP sessions), or detached for longer than
+``resume_grace_s`` (WebSocket sessions whose client may resume). A session with an open
+connection is never reaped, however long its environment takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from envport.errors import CapacityError, SessionNotFoundError
+from envport.session import EnvFactory, Session
+
+
+class ServerConfig(BaseModel):
+    """Limits of one server process. Every field is a ``envport serve`` option."""
+
+    max_sessions: int = Field(4096, ge=1, description="Live sessions at once.")
+    max_queue: int = Field(1024, ge=0, description="Requests that may wait for a free slot.")
+    queue_timeout_s: float = Field(10.0, ge=0, description="Longest wait for a free slot.")
+    call_timeout_s: float | None = Field(30.0, gt=0, description="Deadline of one env call.")
+    idle_timeout_s: float = Field(600.0, gt=0, description="Reap unattached idle sessions.")
+    resume_grace_s: float = Field(30.0, ge=0, description="How long a dropped WS may resume.")
+    max_frame_bytes: int = Field(16 * 2**20, ge=1024, description="Largest frame or body.")
+    reap_interval_s: float = Field(1.0, gt=0)
+    max_batch: int = Field(4096, ge=1, description="Most operations in one batch frame.")
+
+
+class SessionManager:
+    """Creates, finds, counts and reaps sessions. Run :meth:`reaper` in a task group."""
+
+    def __init__(self, factory: EnvFactory, config: ServerConfig) -> None:
+        self.factory = factory
+        self.config = config
+        self.sessions: dict[str, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.reaped = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.sessions)
+
+    async def create(self) -> Session:
+        """A new session, waiting in the bounded queue if the server is full."""
+        if self.active >= self.config.max_sessions:
+            await self._wait_for_slot()
+        session = Session(self.factory, call_timeout_s=self.config.call_timeout_s)
+        self.sessions[session.id] = session
+        self._by_token[session.token] = session
+        return session
+
+    async def _wait_for_slot(self) -> None:
+        cfg = self.config
+        if len(self._waiters) >= cfg.max_queue or cfg.queue_timeout_s == 0:
+            raise CapacityError(self.active, cfg.max_sessions, self._retry_hint())
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), cfg.queue_timeout_s)
+        except TimeoutError:
+            raise CapacityError(self.active, cfg.max_sessions, self._retry_hint()) from None
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            if not waiter.done():
+                waiter.cancel()
+        if self.active >= cfg.max_sessions:  # a slot was taken by someone not queued
+            await self._wait_for_slot()
+
+    def _retry_hint(self) -> float:
+        return max(1.0, round(self.config.queue_timeout_s / 2, 1))
+
+    def _release_slot(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(
+                f"No live session {session_id!r}: it was closed, reaped, or never existed."
+            )
+        return session
+
+    def by_token(self, token: str) -> Session:
+        session = self._by_token.get(token)
+        if session is None:
+            raise SessionNotFoundError(
+                "No live session for that token: it was closed, or its resume grace period "
+                f"({self.config.resume_grace_s:g} s) ran out."
+            )
+        return session
+
+    async def close(self, session: Session) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        self._by_token.pop(session.token, None)
+        self._release_slot()
+        await session.close()
+
+    async def close_all(self) -> None:
+        await asyncio.gather(*(self.close(s) for s in list(self.sessions.values())))
+
+    def expired(self, now: float | None = None) -> list[Session]:
+        """Sessions nothing holds that have outlived their idle or grace period."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for s in self.sessions.values():
+            if s.attached:
+                continue
+            if s.detached_at is not None and now - s.detached_at > self.config.resume_grace_s:
+                out.append(s)
+            elif now - s.last_active > self.config.idle_timeout_s:
+                out.append(s)
+        return out
+
+    async def reaper(self) -> None:
+        """Reap expired sessions forever; cancel to stop."""
+        while True:
+            await asyncio.sleep(self.config.reap_interval_s)
+            for session in self.expired():
+                self.reaped += 1
+                await self.close(session)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "active_sessions": self.active,
+            "max_sessions": self.config.max_sessions,
+            "queued": len(self._waiters),
+            "attached": sum(1 for s in self.sessions.values() if s.attached),
+            "reaped": self.reaped,
+        }

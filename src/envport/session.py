@@ -1,0 +1,145 @@
+"""One live environment behind a transport: the unit a server hands out.
+
+A :class:`Session` owns one environment instance. It serialises calls (strict
+request/response order per session), enforces a per-call deadline, and knows whether it
+is attached to a connection, so the reaper never takes a session someone is using.
+
+A call that times out poisons the environment: whatever it was doing may still be
+running (a thread cannot be killed), so the session abandons that instance, closes it in
+the background, and the next ``reset`` starts on a fresh one. Until then, ``step`` and
+``state`` say so clearly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from envport.env import Env
+from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
+from envport.types import State, StepResult
+
+T = TypeVar("T")
+EnvFactory = Callable[[], Env[Any, Any]]
+
+
+class SessionStatus(enum.Enum):
+    ACTIVE = "active"
+    POISONED = "poisoned"  # a call timed out; the next reset replaces the environment
+    CLOSED = "closed"
+
+
+class Session:
+    """A live environment with an id, a secret token, a lock and a deadline per call."""
+
+    def __init__(self, factory: EnvFactory, *, call_timeout_s: float | None = 30.0) -> None:
+        self.id = uuid.uuid4().hex
+        self.token = secrets.token_urlsafe(24)
+        self.factory = factory
+        self.env = factory()
+        self.call_timeout_s = call_timeout_s
+        self.status = SessionStatus.ACTIVE
+        self.created_at = time.monotonic()
+        self.last_active = self.created_at
+        self.attached = 0  # open connections using this session
+        self.detached_at: float | None = None
+        self._lock = asyncio.Lock()
+        self._abandoned: set[asyncio.Task[None]] = set()
+
+    # --- the contract, guarded ---------------------------------------------------------
+
+    async def reset(self, **kwargs: Any) -> StepResult[Any]:
+        async with self._lock:
+            self._check_open()
+            if self.status is SessionStatus.POISONED:
+                self.env = self.factory()
+                self.status = SessionStatus.ACTIVE
+            return await self._guard("reset", self.env.reset(**kwargs))
+
+    async def step(self, action: Any) -> StepResult[Any]:
+        async with self._lock:
+            self._check_usable()
+            return await self._guard("step", self.env.step(action))
+
+    async def state(self) -> State:
+        async with self._lock:
+            self._check_usable()
+            return await self._guard("state", self.env.state())
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        async with self._lock:
+            self._check_usable()
+            self.env.step_count += 1
+            return await self._guard("call_tool", self.env.call_tool(name, arguments))
+
+    async def close(self) -> None:
+        if self.status is SessionStatus.CLOSED:
+            return
+        self.status = SessionStatus.CLOSED
+        async with self._lock:
+            await self._close_env(self.env)
+        if self._abandoned:
+            await asyncio.gather(*self._abandoned, return_exceptions=True)
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def attach(self) -> None:
+        self.attached += 1
+        self.detached_at = None
+        self.touch()
+
+    def detach(self) -> None:
+        self.attached = max(0, self.attached - 1)
+        if self.attached == 0:
+            self.detached_at = time.monotonic()
+
+    @property
+    def closed(self) -> bool:
+        return self.status is SessionStatus.CLOSED
+
+    def _check_open(self) -> None:
+        if self.status is SessionStatus.CLOSED:
+            raise EnvClosedError(f"Session {self.id} is closed.")
+
+    def _check_usable(self) -> None:
+        self._check_open()
+        if self.status is SessionStatus.POISONED:
+            raise EnvNotResetError(
+                f"Session {self.id}: the previous call timed out and its environment was "
+                "discarded; call reset() to start a fresh one."
+            )
+
+    async def _guard(self, what: str, call: Awaitable[T]) -> T:
+        self.touch()
+        try:
+            return await asyncio.wait_for(call, self.call_timeout_s)
+        except TimeoutError:
+            self._poison()
+            raise EnvTimeoutError(
+                f"{what} did not finish within {self.call_timeout_s:g} s; the environment "
+                "was discarded. Call reset() to continue on a fresh one.",
+                timeout_s=self.call_timeout_s,
+            ) from None
+        finally:
+            self.touch()
+
+    def _poison(self) -> None:
+        self.status = SessionStatus.POISONED
+        task = asyncio.get_running_loop().create_task(self._close_env(self.env))
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+
+    @staticmethod
+    async def _close_env(env: Env[Any, Any]) -> None:
+        try:
+            await asyncio.wait_for(env.close(), 10.0)
+        except Exception:  # noqa: S110 - closing a broken env is best effort; nothing to tell
+            pass
