@@ -108,7 +108,7 @@ class Env(Generic[ActT, ObsT]):
         """Fields added to ``state()`` beyond episode id and step count."""
         return {}
 
-    def on_close(self) -> None | Awaitable[None]:
+    def on_close(self) -> Awaitable[None] | None:
         """Release whatever the environment holds. Called once."""
         return None
 
@@ -221,7 +221,7 @@ class Env(Generic[ActT, ObsT]):
         try:
             result = await self.call_tool(action.tool_name, action.arguments)
         except ToolError as exc:
-            error = ToolErrorInfo(error_type=exc.kind, message=exc.message)  # type: ignore[arg-type]
+            error = ToolErrorInfo(error_type=exc.kind, message=exc.message)
             return CallToolObservation(tool_name=action.tool_name, error=error)
         return CallToolObservation(tool_name=action.tool_name, result=result)
 
@@ -267,7 +267,7 @@ class Env(Generic[ActT, ObsT]):
             value = await loop.run_in_executor(self._executor, fn)
             if inspect.isawaitable(value):
                 return await cast(Awaitable[T], value)
-            return cast(T, value)
+            return value
         except EnvportError:
             raise
         except NotImplementedError:

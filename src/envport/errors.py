@@ -4,6 +4,7 @@
 
     EnvportError
     ├── EnvError                    an environment misbehaved or was misused
+    │   ├── EnvFactoryError         the environment could not be constructed
     │   ├── UnknownEnvError         no such id in the registry (lists the ones that exist)
     │   ├── EnvNotResetError        step()/state() before reset()
     │   ├── EnvClosedError          any call after close()
@@ -90,6 +91,12 @@ class EnvportError(Exception):
 
 class EnvError(EnvportError):
     """An environment misbehaved or was used out of order."""
+
+
+class EnvFactoryError(EnvError):
+    """The environment could not be constructed."""
+
+    code = ErrorCode.FACTORY_ERROR
 
 
 class UnknownEnvError(EnvError, LookupError):

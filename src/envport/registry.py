@@ -50,7 +50,9 @@ def parse_id(env_id: str) -> tuple[str, int | None]:
     """Split ``ns/name-v3`` into ``("ns/name", 3)``."""
     match = _ID.match(env_id)
     if not match:
-        raise ValueError(f"Malformed environment id {env_id!r}; expected 'name-v1' or 'ns/name-v1'.")
+        raise ValueError(
+            f"Malformed environment id {env_id!r}; expected 'name-v1' or 'ns/name-v1'."
+        )
     base = (match.group("ns") + "/" if match.group("ns") else "") + match.group("name")
     ver = match.group("ver")
     return base, int(ver) if ver is not None else None
@@ -124,4 +126,14 @@ def load_entry_point(path: str) -> EnvFactory:
         raise UnknownEnvError(path, _registry) from exc
     if not callable(target):
         raise TypeError(f"{path!r} is not callable")
-    return target  # type: ignore[return-value]
+    return target
+
+
+def resolve(env: str | EnvFactory) -> tuple[Callable[[], Env[Any, Any]], str]:
+    """A zero-argument factory and a display name for an id, path or factory."""
+    if isinstance(env, str):
+        found = spec(env)
+        factory = found.load()
+        kwargs = found.kwargs
+        return (lambda: factory(**kwargs)), found.id
+    return env, getattr(env, "__name__", type(env).__name__)

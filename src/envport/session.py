@@ -13,6 +13,7 @@ the background, and the next ``reset`` starts on a fresh one. Until then, ``step
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import secrets
 import time
@@ -48,6 +49,7 @@ class Session:
         self.last_active = self.created_at
         self.attached = 0  # open connections using this session
         self.detached_at: float | None = None
+        self.last_reply: tuple[Any, dict[str, Any]] | None = None  # (frame id, reply)
         self._lock = asyncio.Lock()
         self._abandoned: set[asyncio.Task[None]] = set()
 
@@ -139,7 +141,5 @@ class Session:
 
     @staticmethod
     async def _close_env(env: Env[Any, Any]) -> None:
-        try:
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(env.close(), 10.0)
-        except Exception:  # noqa: S110 - closing a broken env is best effort; nothing to tell
-            pass

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from envport.errors import CapacityError, SessionNotFoundError
+from envport.errors import CapacityError, EnvFactoryError, EnvportError, SessionNotFoundError
 from envport.session import EnvFactory, Session
 
 
@@ -57,7 +57,15 @@ class SessionManager:
         """A new session, waiting in the bounded queue if the server is full."""
         if self.active >= self.config.max_sessions:
             await self._wait_for_slot()
-        session = Session(self.factory, call_timeout_s=self.config.call_timeout_s)
+        try:
+            session = Session(self.factory, call_timeout_s=self.config.call_timeout_s)
+        except EnvportError:
+            raise
+        except Exception as exc:
+            self._release_slot()
+            raise EnvFactoryError(
+                f"Could not create the environment: {type(exc).__name__}: {exc}"
+            ) from exc
         self.sessions[session.id] = session
         self._by_token[session.token] = session
         return session
@@ -124,9 +132,9 @@ class SessionManager:
         for s in self.sessions.values():
             if s.attached:
                 continue
-            if s.detached_at is not None and now - s.detached_at > self.config.resume_grace_s:
-                out.append(s)
-            elif now - s.last_active > self.config.idle_timeout_s:
+            if (
+                s.detached_at is not None and now - s.detached_at > self.config.resume_grace_s
+            ) or now - s.last_active > self.config.idle_timeout_s:
                 out.append(s)
         return out
 

@@ -1,0 +1,264 @@
+"""Transports: how an :class:`~envport.client.EnvClient` reaches its environment.
+
+A transport is one method, ``request(frame) -> reply frame``, plus ``open``/``close``.
+Three ship with envport:
+
+* :class:`WebSocketTransport`: OpenEnv's ``/ws`` protocol. Against an envport server it
+  upgrades itself with ``hello`` (request ids, resume after a dropped connection);
+  against an OpenEnv server it speaks the plain protocol.
+* :class:`HTTPTransport`: envport's stateful HTTP routes (``POST /sessions`` then
+  ``/reset``, ``/step``, ``/state`` with the session header).
+* :class:`InProcessTransport`: no sockets at all; the same frames handled in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Protocol
+
+import httpx
+import orjson
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from envport.errors import (
+    ConnectionLostError,
+    EnvportError,
+    ErrorCode,
+    RemoteError,
+    from_wire,
+)
+from envport.session import EnvFactory
+
+
+class Transport(Protocol):
+    async def open(self) -> None: ...
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]: ...
+    async def close(self) -> None: ...
+
+
+def _ws_url(base_url: str) -> str:
+    url = base_url.rstrip("/")
+    if url.startswith("http://"):
+        url = "ws://" + url[len("http://") :]
+    elif url.startswith("https://"):
+        url = "wss://" + url[len("https://") :]
+    elif not url.startswith(("ws://", "wss://")):
+        url = "ws://" + url
+    return url if url.endswith("/ws") else url + "/ws"
+
+
+def raise_for_error(reply: dict[str, Any]) -> dict[str, Any]:
+    if reply.get("type") == "error":
+        data = reply.get("data")
+        raise from_wire(data if isinstance(data, dict) else {"message": str(data)})
+    return reply
+
+
+class WebSocketTransport:
+    """OpenEnv's WebSocket protocol, with envport's extensions when the server has them."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 10.0,
+        max_frame_bytes: int = 64 * 2**20,
+        resume: bool = True,
+        resume_attempts: int = 5,
+    ) -> None:
+        self.url = _ws_url(base_url)
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.resume = resume
+        self.resume_attempts = resume_attempts
+        self.extended = False
+        self.session_id: str | None = None
+        self.token: str | None = None
+        self._ws: ClientConnection | None = None
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def open(self) -> None:
+        await self._connect()
+        reply = await self._exchange({"type": "hello", "id": next(self._ids), "data": {}})
+        if reply.get("type") == "hello":
+            self.extended = True
+            self.session_id = reply["data"]["session_id"]
+            self.token = reply["data"]["token"]
+        # An OpenEnv server answers UNKNOWN_TYPE and keeps the connection: plain mode.
+
+    async def _connect(self) -> None:
+        try:
+            self._ws = await connect(
+                self.url,
+                open_timeout=self.connect_timeout_s,
+                max_size=self.max_frame_bytes,
+                compression=None,
+            )
+        except (OSError, InvalidStatus, TimeoutError) as exc:
+            raise ConnectionLostError(f"Cannot connect to {self.url}: {exc}") from exc
+
+    async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """Send one frame and read until its reply (stale replies are dropped)."""
+        assert self._ws is not None
+        await self._ws.send(orjson.dumps(frame).decode())
+        want = frame.get("id")
+        while True:
+            raw = await asyncio.wait_for(self._ws.recv(), self.timeout_s)
+            reply: dict[str, Any] = orjson.loads(raw)
+            if not self.extended or want is None or reply.get("id") in (want, None):
+                return reply
+            # A reply to an earlier request that timed out on our side: never ours.
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        async with self._lock:
+            if self._ws is None:
+                await self.open()
+            if self.extended:
+                frame = {**frame, "id": next(self._ids)}
+            try:
+                return await self._exchange(frame)
+            except ConnectionClosed as exc:
+                if not (self.extended and self.resume and self.token):
+                    raise ConnectionLostError(f"Connection to {self.url} lost: {exc}") from exc
+                await self._resume()
+                return await self._exchange(frame)  # same id: answered exactly once
+            except TimeoutError:
+                raise RemoteError(
+                    f"No reply within {self.timeout_s:g} s", ErrorCode.TIMEOUT.value
+                ) from None
+
+    async def _resume(self) -> None:
+        delay = 0.05
+        last: Exception | None = None
+        for _ in range(self.resume_attempts):
+            try:
+                await self._connect()
+                reply = await self._exchange(
+                    {"type": "hello", "id": next(self._ids), "data": {"resume": self.token}}
+                )
+                raise_for_error(reply)
+                return
+            except (ConnectionLostError, ConnectionClosed, OSError) as exc:
+                last = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        raise ConnectionLostError(f"Could not resume session on {self.url}: {last}")
+
+    async def drop_connection(self) -> None:
+        """Close the socket without closing the session (for tests and failover)."""
+        if self._ws is not None:
+            await self._ws.close()
+
+    async def close(self) -> None:
+        if self._ws is None:
+            return
+        try:
+            await self._ws.send(orjson.dumps({"type": "close"}).decode())
+            await asyncio.wait_for(self._ws.recv(), 2.0)
+        except (ConnectionClosed, TimeoutError, OSError):
+            pass
+        finally:
+            await self._ws.close()
+            self._ws = None
+
+
+class HTTPTransport:
+    """envport's stateful HTTP routes; each frame becomes one request."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 60.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._client = client or httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
+        self._owns_client = client is None
+        self.token: str | None = None
+        self.session_id: str | None = None
+
+    async def open(self) -> None:
+        response = await self._client.post("/sessions")
+        body = self._decode(response)
+        self.token, self.session_id = body["token"], body["session_id"]
+
+    @staticmethod
+    def _decode(response: httpx.Response) -> dict[str, Any]:
+        try:
+            body: dict[str, Any] = response.json()
+        except ValueError as exc:
+            raise RemoteError(
+                f"HTTP {response.status_code}: not JSON", ErrorCode.EXECUTION_ERROR.value
+            ) from exc
+        if response.is_error:
+            raise from_wire(body.get("error") or {"message": str(body)})
+        return body
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        if self.token is None:
+            await self.open()
+        headers = {"X-Envport-Session": self.token or ""}
+        kind, data = frame["type"], frame.get("data")
+        try:
+            if kind == "reset":
+                response = await self._client.post("/reset", json=data or {}, headers=headers)
+                return {"type": "observation", "data": self._decode(response)}
+            if kind == "step":
+                response = await self._client.post("/step", json={"action": data}, headers=headers)
+                return {"type": "observation", "data": self._decode(response)}
+            if kind == "state":
+                response = await self._client.get("/state", headers=headers)
+                return {"type": "state", "data": self._decode(response)}
+        except EnvportError as exc:
+            return {"type": "error", "data": exc.to_wire()}
+        except httpx.HTTPError as exc:
+            raise ConnectionLostError(f"HTTP request to {self.base_url} failed: {exc}") from exc
+        raise EnvportError(f"The HTTP transport does not carry {kind!r} frames.")
+
+    async def close(self) -> None:
+        try:
+            if self.token is not None:
+                await self._client.delete("/sessions", headers={"X-Envport-Session": self.token})
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.token = None
+            if self._owns_client:
+                await self._client.aclose()
+
+
+class InProcessTransport:
+    """The server's own frame handling, in this process: no sockets, same semantics."""
+
+    def __init__(self, env: str | EnvFactory, *, call_timeout_s: float | None = 30.0) -> None:
+        from envport.registry import resolve
+        from envport.server.sessions import ServerConfig, SessionManager
+
+        factory, _ = resolve(env)
+        self._manager = SessionManager(factory, ServerConfig(call_timeout_s=call_timeout_s))
+        self._conn: Any = None
+
+    async def open(self) -> None:
+        from envport.server.dispatch import Connection, handle_frame
+
+        self._conn = Connection(self._manager)
+        await handle_frame(self._conn, {"type": "hello"})
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        from envport.server.dispatch import handle_frame
+
+        if self._conn is None:
+            await self.open()
+        return await handle_frame(self._conn, frame)
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.release(keep_for_resume=False)
+            self._conn = None
+        await self._manager.close_all()

@@ -1,0 +1,80 @@
+"""The ASGI application: ``/ws``, OpenEnv's HTTP routes, session routes and ``/mcp``.
+
+Everything that runs in the background (the session reaper, the MCP session manager)
+lives in the lifespan's task group and is awaited on shutdown; shutdown closes every
+live session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.routing import Route, WebSocketRoute
+
+from envport.registry import resolve
+from envport.server import http
+from envport.server.sessions import ServerConfig, SessionManager
+from envport.server.ws import websocket_endpoint
+from envport.session import EnvFactory
+from envport.types import EnvMetadata
+
+
+def create_app(
+    env: str | EnvFactory,
+    config: ServerConfig | None = None,
+    *,
+    mcp: bool = True,
+) -> Starlette:
+    """Serve ``env`` (a registry id, ``module:Class``, or a zero-argument factory)."""
+    config = config or ServerConfig()
+    factory, env_name = resolve(env)
+    manager = SessionManager(factory, config)
+    probe = factory()
+    env_cls = type(probe)
+    meta: EnvMetadata = env_cls.metadata()
+    meta.tools = [t.name for t in probe.tool_specs()]
+    endpoint = None
+    if mcp:
+        from envport.mcp.server import MCPEndpoint
+
+        endpoint = MCPEndpoint(manager, name=env_name)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await probe.close()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(manager.reaper)
+            try:
+                if endpoint is not None:
+                    async with endpoint.running():
+                        yield
+                else:
+                    yield
+            finally:
+                tg.cancel_scope.cancel()
+                await manager.close_all()
+
+    routes: list[Any] = [
+        WebSocketRoute("/ws", websocket_endpoint),
+        Route("/reset", http.reset, methods=["POST"]),
+        Route("/step", http.step, methods=["POST"]),
+        Route("/state", http.state, methods=["GET"]),
+        Route("/health", http.health, methods=["GET"]),
+        Route("/metadata", http.metadata, methods=["GET"]),
+        Route("/schema", http.schema, methods=["GET"]),
+        Route("/sessions", http.create_session, methods=["POST"]),
+        Route("/sessions", http.delete_session, methods=["DELETE"]),
+        Route("/stats", http.stats, methods=["GET"]),
+    ]
+    if endpoint is not None:
+        routes.append(Route("/mcp", endpoint.asgi, methods=["GET", "POST", "DELETE"]))
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.manager = manager
+    app.state.metadata = meta
+    app.state.schemas = env_cls.schemas()
+    app.state.env_name = env_name
+    return app

@@ -1,0 +1,68 @@
+"""Environments that misbehave on purpose, for fault tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, ClassVar
+
+from envport.env import Env
+from envport.envs.echo import EchoAction, EchoObservation
+from envport.types import StepResult
+
+
+class FaultyEnv(Env[EchoAction, EchoObservation]):
+    """Echo, except: "crash" raises, "hang" never returns (async), "block" blocks a thread."""
+
+    action_type = EchoAction
+    observation_type = EchoObservation
+    instances: ClassVar[list[FaultyEnv]] = []
+    release: ClassVar[threading.Event] = threading.Event()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_calls = 0
+        FaultyEnv.instances.append(self)
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[EchoObservation]:
+        return StepResult(observation=EchoObservation(echoed_message="ready"))
+
+    async def on_step(self, action: EchoAction) -> StepResult[EchoObservation]:
+        if action.message == "crash":
+            raise RuntimeError("boom: the environment crashed")
+        if action.message == "hang":
+            await asyncio.sleep(3600)
+        if action.message == "block":
+            await asyncio.to_thread(FaultyEnv.release.wait, 30)
+        if action.message.startswith("sleep:"):
+            await asyncio.sleep(float(action.message.split(":", 1)[1]))
+        return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)
+
+    async def on_close(self) -> None:
+        self.closed_calls += 1
+
+
+class SyncBlockingEnv(Env[EchoAction, EchoObservation]):
+    """A synchronous env (plain def hooks) whose step blocks its worker thread."""
+
+    action_type = EchoAction
+    observation_type = EchoObservation
+
+    def on_reset(self, seed: int | None, **options: Any) -> StepResult[EchoObservation]:
+        return StepResult(observation=EchoObservation(echoed_message="ready"))
+
+    def on_step(self, action: EchoAction) -> StepResult[EchoObservation]:
+        if action.message == "block":
+            time.sleep(2.0)
+        return StepResult(observation=EchoObservation(echoed_message=action.message))
+
+
+class BrokenFactoryEnv(Env[EchoAction, EchoObservation]):
+    created: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        BrokenFactoryEnv.created += 1
+        if BrokenFactoryEnv.created > 1:  # the server's metadata probe is the first
+            raise OSError("cannot allocate the environment")
+        super().__init__()

@@ -1,0 +1,404 @@
+"""The server over real sockets: OpenEnv's frames, envport's extensions, every bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from envport.server import ServerConfig
+from tests.support.faulty_envs import BrokenFactoryEnv, FaultyEnv, SyncBlockingEnv
+from tests.support.servers import run_env_server
+
+
+@pytest.fixture(scope="module")
+def echo_url() -> Iterator[str]:
+    with run_env_server("echo-v1", mcp=False) as (url, _):
+        yield url
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/ws"
+
+
+async def ask(ws: ClientConnection, frame: dict[str, Any] | str) -> dict[str, Any]:
+    await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+    reply: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 10))
+    return reply
+
+
+# --- OpenEnv's frames ---------------------------------------------------------------
+
+
+async def test_reset_step_state_close(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        reply = await ask(ws, {"type": "reset", "data": {"seed": 1}})
+        assert reply["type"] == "observation"
+        assert reply["data"]["observation"]["echoed_message"] == "Echo environment ready!"
+        assert reply["data"]["done"] is False
+        assert "id" not in reply
+        assert "terminated" not in reply["data"]  # extensions only after hello
+        for i, msg in enumerate(["a", "bb", "ccc"], start=1):
+            reply = await ask(ws, {"type": "step", "data": {"message": msg}})
+            assert reply["data"]["observation"] == {"echoed_message": msg, "message_length": i}
+            assert reply["data"]["reward"] == pytest.approx(0.1 * i)
+        state = await ask(ws, {"type": "state"})
+        assert state["type"] == "state"
+        assert state["data"]["step_count"] == 3
+        await ws.send(json.dumps({"type": "close"}))
+        await asyncio.wait_for(ws.recv(), 5)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 5)
+        assert ws.close_code == 1000
+
+
+async def test_sessions_never_share_state(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as a, connect(ws_url(echo_url)) as b:
+        await ask(a, {"type": "reset"})
+        await ask(b, {"type": "reset"})
+        for _ in range(3):
+            await ask(a, {"type": "step", "data": {"message": "x"}})
+        assert (await ask(a, {"type": "state"}))["data"]["step_count"] == 3
+        state_b = await ask(b, {"type": "state"})
+        assert state_b["data"]["step_count"] == 0
+        assert (
+            state_b["data"]["episode_id"] != (await ask(a, {"type": "state"}))["data"]["episode_id"]
+        )
+
+
+async def test_tools_as_openenv_actions(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "reset"})
+        listed = await ask(ws, {"type": "step", "data": {"type": "list_tools"}})
+        names = [t["name"] for t in listed["data"]["observation"]["tools"]]
+        assert names == ["echo", "reverse"]
+        called = await ask(
+            ws,
+            {
+                "type": "step",
+                "data": {
+                    "type": "call_tool",
+                    "tool_name": "reverse",
+                    "arguments": {"message": "abc"},
+                },
+            },
+        )
+        assert called["data"]["observation"]["result"] == "cba"
+        bad = await ask(
+            ws,
+            {"type": "step", "data": {"type": "call_tool", "tool_name": "nope", "arguments": {}}},
+        )
+        assert bad["data"]["observation"]["error"]["error_type"] == "tool_not_found"
+        bad_args = await ask(
+            ws,
+            {"type": "step", "data": {"type": "call_tool", "tool_name": "echo", "arguments": {}}},
+        )
+        assert bad_args["data"]["observation"]["error"]["error_type"] == "invalid_args"
+        assert "message" in bad_args["data"]["observation"]["error"]["message"]
+
+
+# --- bad input ----------------------------------------------------------------------
+
+
+async def test_malformed_json_keeps_session(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "reset"})
+        await ask(ws, {"type": "step", "data": {"message": "x"}})
+        err = await ask(ws, "{not json")
+        assert err["type"] == "error"
+        assert err["data"]["code"] == "INVALID_JSON"
+        err = await ask(ws, "[1, 2]")
+        assert err["data"]["code"] == "UNKNOWN_TYPE"
+        err = await ask(ws, {"type": "dance"})
+        assert err["data"]["code"] == "UNKNOWN_TYPE"
+        assert "dance" in err["data"]["message"]
+        state = await ask(ws, {"type": "state"})
+        assert state["data"]["step_count"] == 1  # nothing lost
+
+
+async def test_invalid_action_names_the_field(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "reset"})
+        err = await ask(ws, {"type": "step", "data": {"mesage": "typo"}})
+        assert err["data"]["code"] == "VALIDATION_ERROR"
+        fields = {e["field"] for e in err["data"]["errors"]}
+        assert fields == {"message", "mesage"}
+        assert err["data"]["schema"]["properties"]["message"]["type"] == "string"
+        err = await ask(ws, {"type": "step", "data": {"message": 12}})
+        assert err["data"]["code"] == "VALIDATION_ERROR"
+        ok = await ask(ws, {"type": "step", "data": {"message": "fine"}})
+        assert ok["type"] == "observation"
+        assert (await ask(ws, {"type": "state"}))["data"]["step_count"] == 1
+
+
+async def test_step_before_reset(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        err = await ask(ws, {"type": "step", "data": {"message": "x"}})
+        assert err["data"]["code"] == "NOT_RESET"
+        assert "reset" in err["data"]["message"]
+        assert (await ask(ws, {"type": "reset"}))["type"] == "observation"
+
+
+async def test_oversize_frame_is_refused_and_session_survives() -> None:
+    config = ServerConfig(max_frame_bytes=4096)
+    with run_env_server("echo-v1", config, mcp=False) as (url, _):
+        async with connect(ws_url(url), max_size=None) as ws:
+            await ask(ws, {"type": "reset"})
+            err = await ask(ws, {"type": "step", "data": {"message": "x" * 5000}})
+            assert err["data"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert err["data"]["limit_bytes"] == 4096
+            ok = await ask(ws, {"type": "step", "data": {"message": "small"}})
+            assert ok["data"]["observation"]["echoed_message"] == "small"
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/step", json={"action": {"message": "x" * 5000}})
+            assert r.status_code == 413
+            assert r.json()["error"]["code"] == "PAYLOAD_TOO_LARGE"
+
+
+async def test_crashing_env_reports_and_stays_usable() -> None:
+    with run_env_server(FaultyEnv, mcp=False) as (url, _):
+        async with connect(ws_url(url)) as ws, connect(ws_url(url)) as other:
+            await ask(ws, {"type": "reset"})
+            await ask(other, {"type": "reset"})
+            err = await ask(ws, {"type": "step", "data": {"message": "crash"}})
+            assert err["data"]["code"] == "EXECUTION_ERROR"
+            assert "boom" in err["data"]["message"]
+            ok = await ask(ws, {"type": "step", "data": {"message": "after"}})
+            assert ok["data"]["observation"]["echoed_message"] == "after"
+            ok = await ask(other, {"type": "step", "data": {"message": "unaffected"}})
+            assert ok["type"] == "observation"
+
+
+async def test_hanging_step_times_out_without_blocking_others() -> None:
+    config = ServerConfig(call_timeout_s=0.5)
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, _app):
+        async with connect(ws_url(url)) as ws, connect(ws_url(url)) as other:
+            await ask(ws, {"type": "reset"})
+            await ask(other, {"type": "reset"})
+            await ws.send(json.dumps({"type": "step", "data": {"message": "hang"}}))
+            # While one session hangs, another is served promptly.
+            ok = await ask(other, {"type": "step", "data": {"message": "meanwhile"}})
+            assert ok["data"]["observation"]["echoed_message"] == "meanwhile"
+            err = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert err["data"]["code"] == "TIMEOUT"
+            assert err["data"]["timeout_s"] == 0.5
+            err = await ask(ws, {"type": "step", "data": {"message": "x"}})
+            assert err["data"]["code"] == "NOT_RESET"  # the hung env was discarded
+            assert (await ask(ws, {"type": "reset"}))["type"] == "observation"
+            ok = await ask(ws, {"type": "step", "data": {"message": "fresh"}})
+            assert ok["data"]["observation"]["echoed_message"] == "fresh"
+
+
+async def test_sync_env_runs_off_the_event_loop() -> None:
+    with run_env_server(SyncBlockingEnv, mcp=False) as (url, _):
+        async with connect(ws_url(url)) as ws, connect(ws_url(url)) as other:
+            await ask(ws, {"type": "reset"})
+            await ask(other, {"type": "reset"})
+            await ws.send(json.dumps({"type": "step", "data": {"message": "block"}}))
+            await asyncio.sleep(0.1)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            await ask(other, {"type": "step", "data": {"message": "quick"}})
+            # The other session's answer did not wait for the 2 s block to finish.
+            assert loop.time() - started < 1.5
+            reply = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            assert reply["data"]["observation"]["echoed_message"] == "block"
+
+
+async def test_factory_error() -> None:
+    BrokenFactoryEnv.created = 0
+    with run_env_server(BrokenFactoryEnv, mcp=False) as (url, _):
+        async with connect(ws_url(url)) as ws:
+            err = await ask(ws, {"type": "reset"})
+            assert err["data"]["code"] == "FACTORY_ERROR"
+            assert "cannot allocate" in err["data"]["message"]
+
+
+# --- capacity, queue, reaper ---------------------------------------------------------
+
+
+async def test_capacity_reached_frame_then_close() -> None:
+    config = ServerConfig(max_sessions=2, max_queue=0, queue_timeout_s=0)
+    with run_env_server("echo-v1", config, mcp=False) as (url, _app):
+        async with connect(ws_url(url)) as a, connect(ws_url(url)) as b:
+            await ask(a, {"type": "reset"})
+            await ask(b, {"type": "reset"})
+            async with connect(ws_url(url)) as c:
+                err = await ask(c, {"type": "reset"})
+                assert err["data"]["code"] == "CAPACITY_REACHED"
+                assert err["data"]["max_sessions"] == 2
+                assert err["data"]["retry_after_s"] >= 1
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(c.recv(), 5)
+                assert c.close_code == 1000
+            async with httpx.AsyncClient(base_url=url) as http:
+                r = await http.post("/sessions")
+                assert r.status_code == 503
+                assert "Retry-After" in r.headers
+            # The two admitted sessions are untouched.
+            assert (await ask(a, {"type": "step", "data": {"message": "ok"}}))[
+                "type"
+            ] == "observation"
+
+
+async def test_wait_queue_admits_when_a_slot_frees() -> None:
+    config = ServerConfig(max_sessions=1, max_queue=4, queue_timeout_s=10)
+    with run_env_server("echo-v1", config, mcp=False) as (url, app):
+        a = await connect(ws_url(url))
+        await ask(a, {"type": "reset"})
+        async with connect(ws_url(url)) as b:
+            await b.send(json.dumps({"type": "reset"}))
+            await asyncio.sleep(0.3)
+            assert app.state.manager.stats()["queued"] == 1
+            await a.close()  # frees the slot
+            reply = json.loads(await asyncio.wait_for(b.recv(), 10))
+            assert reply["type"] == "observation"
+
+
+async def test_reaper_spares_attached_sessions_and_reaps_detached() -> None:
+    config = ServerConfig(
+        idle_timeout_s=0.3, resume_grace_s=0.3, reap_interval_s=0.05, call_timeout_s=5
+    )
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, app):
+        manager = app.state.manager
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "hello"})
+            await ask(ws, {"type": "reset"})
+            # A long step on an open connection: far past idle_timeout_s, not reaped.
+            reply = await ask(ws, {"type": "step", "data": {"message": "sleep:1.0"}})
+            assert reply["type"] == "observation"
+            await asyncio.sleep(0.6)  # idle, but the connection is open
+            assert manager.active == 1
+        # Detached (hello'd) session: kept for the grace period, then reaped.
+        await asyncio.sleep(1.0)
+        assert manager.active == 0
+        assert manager.reaped >= 1
+
+
+# --- envport extensions ----------------------------------------------------------------
+
+
+async def test_request_ids_and_resume(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        hello = await ask(ws, {"type": "hello", "id": "h"})
+        assert hello["id"] == "h"
+        assert hello["data"]["protocol"] == "envport/1"
+        token = hello["data"]["token"]
+        reply = await ask(ws, {"type": "reset", "id": 1})
+        assert reply["id"] == 1
+        assert reply["data"]["terminated"] is False
+        await ask(ws, {"type": "step", "id": 2, "data": {"message": "one"}})
+    # Connection dropped; the session lives on for the grace period.
+    async with connect(ws_url(echo_url)) as ws:
+        resumed = await ask(ws, {"type": "hello", "data": {"resume": token}})
+        assert resumed["data"]["resumed"] is True
+        # Resending the last frame (same id) is answered from cache: applied once.
+        again = await ask(ws, {"type": "step", "id": 2, "data": {"message": "one"}})
+        assert again["id"] == 2
+        state = await ask(ws, {"type": "state", "id": 3})
+        assert state["data"]["step_count"] == 1
+    async with connect(ws_url(echo_url)) as ws:
+        err = await ask(ws, {"type": "hello", "data": {"resume": "not-a-token"}})
+        assert err["data"]["code"] == "SESSION_NOT_FOUND"
+
+
+async def test_batch_steps_many_sessions_in_one_frame(echo_url: str) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "hello"})
+        opened = [await ask(ws, {"type": "open"}) for _ in range(4)]
+        ids = [o["data"]["session_id"] for o in opened]
+        resets = await ask(
+            ws, {"type": "batch", "data": [{"session_id": s, "type": "reset"} for s in ids]}
+        )
+        assert [r["type"] for r in resets["data"]] == ["observation"] * 4
+        steps = await ask(
+            ws,
+            {
+                "type": "batch",
+                "id": 9,
+                "data": [
+                    {"session_id": s, "type": "step", "data": {"message": "m" * (i + 1)}}
+                    for i, s in enumerate(ids)
+                ]
+                + [{"session_id": "unknown", "type": "step", "data": {"message": "x"}}],
+            },
+        )
+        assert steps["id"] == 9
+        lengths = [r["data"]["observation"]["message_length"] for r in steps["data"][:4]]
+        assert lengths == [1, 2, 3, 4]
+        assert [r["session_id"] for r in steps["data"][:4]] == ids
+        assert steps["data"][4]["data"]["code"] == "SESSION_NOT_FOUND"
+        err = await ask(ws, {"type": "batch", "data": {"not": "a list"}})
+        assert err["data"]["code"] == "UNKNOWN_TYPE"
+
+
+# --- HTTP ------------------------------------------------------------------------------
+
+
+async def test_http_info_routes(echo_url: str) -> None:
+    async with httpx.AsyncClient(base_url=echo_url) as http:
+        assert (await http.get("/health")).json() == {"status": "healthy"}
+        meta = (await http.get("/metadata")).json()
+        assert meta["name"] == "EchoEnv"
+        assert meta["tools"] == ["echo", "reverse"]
+        schema = (await http.get("/schema")).json()
+        assert set(schema) == {"action", "observation", "state"}
+        assert "message" in schema["action"]["properties"]
+
+
+async def test_http_stateless_like_openenv(echo_url: str) -> None:
+    async with httpx.AsyncClient(base_url=echo_url) as http:
+        r = await http.post("/reset", json={"seed": 3})
+        assert r.status_code == 200
+        assert r.json()["done"] is False
+        r = await http.post("/step", json={"action": {"message": "hey"}, "request_id": "r1"})
+        assert r.json()["observation"]["echoed_message"] == "hey"
+        assert r.json()["request_id"] == "r1"
+        assert (await http.get("/state")).json()["step_count"] == 0  # a fresh env each time
+
+
+async def test_http_stateful_session(echo_url: str) -> None:
+    async with httpx.AsyncClient(base_url=echo_url) as http:
+        created = await http.post("/sessions")
+        assert created.status_code == 201
+        headers = {"X-Envport-Session": created.json()["token"]}
+        await http.post("/reset", json={"seed": 1}, headers=headers)
+        for _ in range(3):
+            await http.post("/step", json={"action": {"message": "a"}}, headers=headers)
+        state = (await http.get("/state", headers=headers)).json()
+        assert state["step_count"] == 3
+        assert (await http.delete("/sessions", headers=headers)).status_code == 204
+        gone = await http.get("/state", headers=headers)
+        assert gone.status_code == 404
+        assert gone.json()["error"]["code"] == "SESSION_NOT_FOUND"
+
+
+async def test_http_bad_input(echo_url: str) -> None:
+    async with httpx.AsyncClient(base_url=echo_url) as http:
+        r = await http.post("/step", content=b"{nope", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "INVALID_JSON"
+        r = await http.post("/step", json={"action": {"bad": 1}})
+        assert r.status_code == 422
+        assert r.json()["error"]["code"] == "VALIDATION_ERROR"
+        r = await http.post("/step", json={"no_action": 1})
+        assert r.status_code == 422
+        r = await http.post("/reset", json=[1, 2])
+        assert r.status_code == 422
+        headers = {"X-Envport-Session": "bogus"}
+        r = await http.post("/step", json={"action": {"message": "x"}}, headers=headers)
+        assert r.status_code == 404
+        created = (await http.post("/sessions")).json()
+        r = await http.post(
+            "/step",
+            json={"action": {"message": "x"}},
+            headers={"X-Envport-Session": created["token"]},
+        )
+        assert r.status_code == 409
+        assert r.json()["error"]["code"] == "NOT_RESET"
