@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import openenv_echo_argv, server_process
+
+
+@pytest.fixture(scope="session")
+def openenv_echo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """OpenEnv's own server (openenv-core) serving an echo env, in a subprocess."""
+    log: Path = tmp_path_factory.mktemp("openenv") / "server.log"
+    with server_process([*openenv_echo_argv(), "--max-concurrent-envs", "64"], log) as url:
+        yield url

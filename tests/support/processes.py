@@ -1,0 +1,52 @@
+"""Start real server processes for tests and wait (bounded) until they are healthy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.support.servers import free_port
+
+SUPPORT = Path(__file__).parent
+
+
+@contextmanager
+def server_process(argv: Sequence[str], log: Path, *, timeout_s: float = 45.0) -> Iterator[str]:
+    """Run ``argv + ["--port", N]``; yields the base URL once ``/health`` answers."""
+    port = free_port()
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=1.0) as http:
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"server {argv} did not start:\n{log.read_text()}")
+                try:
+                    if http.get(f"{base}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def openenv_echo_argv() -> list[str]:
+    return [sys.executable, str(SUPPORT / "openenv_echo_server.py")]
+
+
+def envport_argv(env: str) -> list[str]:
+    return [sys.executable, "-m", "envport.server", env]
