@@ -1,0 +1,256 @@
+"""One environment's tools as a spec-compliant MCP server over Streamable HTTP.
+
+Built on the official SDK (``mcp`` 2.x): a low-level :class:`mcp.server.lowlevel.Server`
+answers ``initialize``, ``ping``, ``tools/list`` and ``tools/call``, and the SDK's
+:class:`~mcp.server.streamable_http_manager.StreamableHTTPSessionManager` owns the
+transport (``Mcp-Session-Id``, SSE or JSON responses, ``DELETE`` to end a session, idle
+expiry). envport adds only the mapping from MCP sessions to envport sessions:
+
+* **Own session.** An MCP session gets its own fresh envport :class:`~envport.session.Session`
+  from the :class:`~envport.server.sessions.SessionManager` on its first ``tools/*``
+  request (reset once), held attached so the envport reaper leaves it alone. It is
+  closed, and its capacity slot freed, when the MCP session ends: a client ``DELETE``,
+  the SDK's idle timeout (set to the server's ``idle_timeout_s``), or shutdown. The hook
+  is the SDK's per-connection exit stack, so every way a session can end goes through
+  the same code.
+* **Shared session.** A request with header ``X-Envport-Session: <token>`` acts on that
+  existing envport session instead (an agent using MCP on the environment a trainer
+  drives over WebSocket). The endpoint never closes a shared session.
+
+Eras. ``ClientSession.initialize()`` (and ``Client(mode="legacy")``) speak the
+handshake protocol, where an MCP session spans many requests. The 2026-07-28 protocol
+has no sessions: a request pinned to it is its own connection, so without the header it
+gets a one-request environment. Because envport environments are stateful, the endpoint
+does not answer ``server/discover``; a ``Client(mode="auto")`` therefore falls back to
+the handshake and gets a real session.
+
+Mounting: ``.asgi`` is a plain ASGI callable object (not a function, so Starlette's
+``Route`` passes requests through untouched). Route it exactly, so ``POST /mcp`` is
+served without a trailing-slash redirect, and run the endpoint in the app's lifespan::
+
+    endpoint = MCPEndpoint(manager, name="echo-v1")
+
+    @asynccontextmanager
+    async def lifespan(app):
+        async with endpoint.running():
+            yield
+
+    app = Starlette(
+        routes=[Route("/mcp", endpoint.asgi, methods=["GET", "POST", "DELETE"])],
+        lifespan=lifespan,
+    )
+
+(``Mount("/mcp", app=endpoint.asgi)`` also works, but Starlette then answers ``POST
+/mcp`` with a 307 redirect to ``/mcp/``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import mcp_types as types
+from mcp.server.connection import Connection
+from mcp.server.context import ServerRequestContext
+from mcp.server.lowlevel import Server
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
+
+from envport import __version__
+from envport.errors import CapacityError, EnvportError, SessionNotFoundError, ToolError
+from envport.mcp.results import ToolOutcome, call_tool
+from envport.server.sessions import SessionManager
+from envport.session import Session, SessionStatus
+
+#: Request header naming an existing envport session (by its resume token).
+SESSION_HEADER = "x-envport-session"
+
+_OWN = "envport.session"
+_LOCK = "envport.session_lock"
+
+Context = ServerRequestContext[Any, Any]
+
+
+class MCPEndpoint:
+    """Serves one environment's tools at ``/mcp``. See the module docstring."""
+
+    def __init__(
+        self,
+        manager: SessionManager,
+        *,
+        name: str,
+        security: TransportSecuritySettings | None = None,
+    ) -> None:
+        self.manager = manager
+        self.name = name
+        self.security = security
+        self.server: Server[Any] = Server(
+            name,
+            version=__version__,
+            instructions=f"Tools of the envport environment {name!r}.",
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+        # Stateful environments need the handshake era; see the module docstring.
+        self.server.add_request_handler("server/discover", types.RequestParams, _no_discover)
+        self._sdk: StreamableHTTPSessionManager | None = None
+        self.asgi = _EndpointApp(self)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Run the SDK's session manager; enter this in the app's lifespan.
+
+        On exit every MCP session ends, which closes the envport sessions they own.
+        May be entered again after it exits (each run gets a fresh SDK manager).
+        """
+        sdk = StreamableHTTPSessionManager(
+            app=self.server,
+            security_settings=self.security,
+            session_idle_timeout=self.manager.config.idle_timeout_s,
+        )
+        async with sdk.run():
+            self._sdk = sdk
+            try:
+                yield
+            finally:
+                self._sdk = None
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._sdk is None:
+            response = JSONResponse(
+                {"message": "The MCP endpoint is not running (enter MCPEndpoint.running())."},
+                status_code=503,
+            )
+            await response(scope, receive, send)
+            return
+        await self._sdk.handle_request(scope, receive, send)
+
+    # --- MCP handlers ------------------------------------------------------------------
+
+    async def _list_tools(
+        self, ctx: Context, params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        session = await self._session_for(ctx)
+        tools = [
+            types.Tool(name=s.name, description=s.description, input_schema=s.input_schema)
+            for s in session.env.tool_specs()
+        ]
+        return types.ListToolsResult(tools=tools)
+
+    async def _call_tool(
+        self, ctx: Context, params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        session = await self._session_for(ctx)
+        try:
+            outcome = await call_tool(session, params.name, dict(params.arguments or {}))
+        except ToolError as exc:  # unknown tool: a protocol error, as the MCP spec shows
+            raise MCPError(types.INVALID_PARAMS, exc.message, exc.to_wire()) from exc
+        except EnvportError as exc:
+            raise MCPError(types.INTERNAL_ERROR, exc.message, exc.to_wire()) from exc
+        return _result(outcome)
+
+    # --- session mapping ---------------------------------------------------------------
+
+    async def _session_for(self, ctx: Context) -> Session:
+        token = _header(ctx, SESSION_HEADER)
+        if token:
+            try:
+                return self.manager.by_token(token)
+            except SessionNotFoundError as exc:
+                raise MCPError(
+                    types.INVALID_REQUEST, f"{SESSION_HEADER}: {exc.message}", exc.to_wire()
+                ) from exc
+        connection = _connection(ctx)
+        lock = connection.state.setdefault(_LOCK, asyncio.Lock())
+        async with lock:
+            session: Session | None = connection.state.get(_OWN)
+            if session is None:
+                session = await self._open(connection)
+            elif session.status is SessionStatus.POISONED:
+                # A call timed out; nobody but this MCP session uses the environment,
+                # and MCP has no reset, so start the fresh one the session offers.
+                await self._guarded(session.reset())
+            return session
+
+    async def _open(self, connection: Connection) -> Session:
+        try:
+            session = await self.manager.create()
+        except CapacityError as exc:
+            raise MCPError(types.INTERNAL_ERROR, exc.message, exc.to_wire()) from exc
+        try:
+            await self._guarded(session.reset())
+        except BaseException:
+            await self.manager.close(session)
+            raise
+        session.attach()
+        connection.exit_stack.push_async_callback(self._release, session)
+        connection.state[_OWN] = session
+        return session
+
+    async def _release(self, session: Session) -> None:
+        session.detach()
+        await self.manager.close(session)
+
+    @staticmethod
+    async def _guarded(call: Awaitable[Any]) -> None:
+        try:
+            await call
+        except EnvportError as exc:
+            raise MCPError(types.INTERNAL_ERROR, exc.message, exc.to_wire()) from exc
+
+
+class _EndpointApp:
+    """The ASGI callable behind ``MCPEndpoint.asgi`` (an object, so ``Route`` keeps it raw)."""
+
+    def __init__(self, endpoint: MCPEndpoint) -> None:
+        self._endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._endpoint.handle(scope, receive, send)
+
+
+async def _no_discover(ctx: Context, params: types.RequestParams) -> types.DiscoverResult:
+    raise MCPError(
+        types.METHOD_NOT_FOUND,
+        "envport environments are stateful: connect with the initialize handshake.",
+        "server/discover",
+    )
+
+
+def _result(outcome: ToolOutcome) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(text=outcome.text)],
+        structured_content=outcome.structured,
+        is_error=outcome.is_error,
+    )
+
+
+def _header(ctx: Context, name: str) -> str | None:
+    request = ctx.request
+    if isinstance(request, Request):
+        return request.headers.get(name)
+    return None
+
+
+def _connection(ctx: Context) -> Connection:
+    """The SDK connection a request arrived on.
+
+    ``mcp`` 2.3 gives handlers no public path to it yet (its ``Context`` rework, "L54",
+    will add ``ctx.connection``); until then it is read off the per-request session.
+    Per-connection cleanup on ``connection.exit_stack`` is the SDK's documented hook.
+    """
+    connection = getattr(ctx.session, "connection", None) or getattr(
+        ctx.session, "_connection", None
+    )
+    if not isinstance(connection, Connection):
+        raise MCPError(
+            types.INTERNAL_ERROR,
+            "This mcp SDK version exposes no per-connection state; envport needs mcp>=2.3,<3.",
+        )
+    return connection
