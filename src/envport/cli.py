@@ -1,0 +1,293 @@
+"""The ``envport`` command: serve, check, scaffold and list environments.
+
+Each command is a thin shell over a library function (``envport.server.serve``,
+:func:`envport.check.check`, :func:`envport.scaffold.scaffold`,
+:func:`envport.registry.registered`) so everything the CLI does is scriptable from
+Python too. Heavy imports happen inside the command that needs them, which keeps
+``envport --help`` fast and lets the CLI work while optional pieces are missing.
+
+Exit codes: 0 success, 1 a check failed, 2 a usage error (unknown environment id, bad
+option value, existing directory).
+"""
+
+import enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from envport import __version__
+from envport.errors import EnvportError
+from envport.tools import _TOOL_ATTR
+
+if TYPE_CHECKING:
+    from envport.registry import EnvSpec
+    from envport.server.sessions import ServerConfig
+
+app = typer.Typer(
+    name="envport",
+    help="The environment layer for agentic RL: serve, check and scaffold environments.",
+    epilog="Examples: [bold]envport envs[/] · [bold]envport check echo-v1[/] · "
+    "[bold]envport serve echo-v1 --port 8000[/] · [bold]envport init my-env[/]",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+out = Console()
+err = Console(stderr=True)
+
+EnvArg = Annotated[
+    str,
+    typer.Argument(
+        help="A registered id ([bold]echo-v1[/]; [bold]echo[/] takes the newest version) "
+        "or an import path ([bold]package.module:Class[/]).",
+        show_default=False,
+    ),
+]
+
+
+class LogLevel(enum.StrEnum):
+    CRITICAL = "critical"
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+    DEBUG = "debug"
+    TRACE = "trace"
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _fail_env(exc: Exception) -> NoReturn:
+    message = exc.message if isinstance(exc, EnvportError) else str(exc)
+    cause = exc.__cause__
+    if cause is not None:
+        message += f"\n  caused by {type(cause).__name__}: {cause}"
+    _fail(message)
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"envport {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """The environment layer for agentic RL: serve, check and scaffold environments."""
+
+
+# --- serve ----------------------------------------------------------------------------
+
+
+@app.command()
+def serve(
+    env: EnvArg,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
+    max_sessions: Annotated[
+        int | None, typer.Option(help="Live sessions (environment instances) at once.")
+    ] = None,
+    max_queue: Annotated[
+        int | None, typer.Option(help="Connections that may wait for a free session.")
+    ] = None,
+    queue_timeout: Annotated[
+        float | None, typer.Option(help="Seconds a queued connection waits for a session.")
+    ] = None,
+    call_timeout: Annotated[
+        float | None,
+        typer.Option(help="Deadline in seconds of one environment call; 0 means none."),
+    ] = None,
+    idle_timeout: Annotated[
+        float | None, typer.Option(help="Seconds before an unattached idle session is reaped.")
+    ] = None,
+    resume_grace: Annotated[
+        float | None,
+        typer.Option(help="Seconds a dropped WebSocket may reconnect and resume its session."),
+    ] = None,
+    max_frame_bytes: Annotated[
+        int | None, typer.Option(help="Largest WebSocket frame or HTTP body accepted.")
+    ] = None,
+    log_level: Annotated[
+        LogLevel, typer.Option(case_sensitive=False, help="Server log verbosity.")
+    ] = LogLevel.INFO,
+) -> None:
+    """Serve ENV over WebSocket (/ws), HTTP and MCP (/mcp); OpenEnv clients can connect.
+
+    Options left out take the server's defaults.
+    """
+    _resolve_or_fail(env)
+    config = _server_config(
+        max_sessions=max_sessions,
+        max_queue=max_queue,
+        queue_timeout_s=queue_timeout,
+        call_timeout_s=call_timeout,
+        idle_timeout_s=idle_timeout,
+        resume_grace_s=resume_grace,
+        max_frame_bytes=max_frame_bytes,
+    )
+    from envport.server import serve as run_server  # heavy; only this command needs it
+
+    run_server(env, host=host, port=port, config=config, log_level=log_level.value)
+
+
+def _server_config(**options: Any) -> "ServerConfig":
+    from pydantic import ValidationError
+
+    from envport.server.sessions import ServerConfig
+
+    given = {k: v for k, v in options.items() if v is not None}
+    if given.get("call_timeout_s") == 0:
+        given["call_timeout_s"] = None
+    try:
+        return ServerConfig(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{str(e['loc'][0]).removesuffix('_s').replace('_', '-')}: {e['msg']}"
+            for e in exc.errors(include_url=False)
+        )
+        _fail(f"invalid server option: {problems}")
+
+
+def _resolve_or_fail(env: str) -> None:
+    from envport.registry import spec
+
+    try:
+        spec(env).load()
+    except (EnvportError, ValueError, TypeError) as exc:
+        _fail_env(exc)
+
+
+# --- check ----------------------------------------------------------------------------
+
+
+@app.command()
+def check(
+    env: EnvArg,
+    seed: Annotated[int, typer.Option(help="Seed passed to reset().")] = 0,
+    steps: Annotated[int, typer.Option(min=1, help="Steps each runtime check takes.")] = 3,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as JSON instead of a table.")
+    ] = False,
+) -> None:
+    """Check that ENV keeps the environment contract; exit 1 if any check fails.
+
+    Static checks (types, JSON Schemas, actions, tools), runtime checks (reset, seeding,
+    step, step_count, reward_range, errors before reset and after close) and a leak
+    check (threads, processes, file descriptors, tasks, temp files after close).
+    Declare [bold]check_actions[/] on the class to let the checker step the environment.
+    """
+    from envport.check import check as run_check
+
+    try:
+        report = run_check(env, seed=seed, steps=steps)
+    except (EnvportError, ValueError, TypeError) as exc:
+        _fail_env(exc)
+    if as_json:
+        out.print_json(report.model_dump_json())
+    else:
+        out.print(report.table())
+        style = "green" if report.ok else "bold red"
+        out.print(f"[{style}]{escape(report.summary())}[/]", soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+# --- init -----------------------------------------------------------------------------
+
+
+@app.command()
+def init(
+    name: Annotated[
+        str,
+        typer.Argument(
+            help="Environment name, e.g. [bold]guess-number[/]; registered as NAME-v1.",
+            show_default=False,
+        ),
+    ],
+    directory: Annotated[
+        Path,
+        typer.Option(
+            "--dir", file_okay=False, help="Parent directory; the project goes in DIR/NAME."
+        ),
+    ] = Path("."),
+) -> None:
+    """Create a new environment package that passes [bold]envport check[/] as generated."""
+    from envport.scaffold import ScaffoldError, names_for, scaffold
+
+    try:
+        root = scaffold(name, directory)
+    except ScaffoldError as exc:
+        _fail(str(exc))
+    names = names_for(name)
+    out.print(f"Created [bold]{escape(str(root))}[/] ({names.env_id}):")
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        out.print(f"  {escape(str(path.relative_to(root)))}")
+    out.print(
+        "\nNext:\n"
+        f"  cd {escape(str(root))}\n"
+        "  pip install -e '.[test]'\n"
+        f"  envport check {names.env_id}\n"
+        "  pytest",
+        soft_wrap=True,
+    )
+
+
+# --- envs -----------------------------------------------------------------------------
+
+
+@app.command()
+def envs() -> None:
+    """List registered environments: built-ins and installed packages' entry points."""
+    from envport.registry import registered
+
+    table = Table(title="envport environments", title_justify="left")
+    table.add_column("id", no_wrap=True, style="bold")
+    table.add_column("description")
+    table.add_column("tools")
+    for env_id, env_spec in sorted(registered().items()):
+        description, tools = _describe(env_spec)
+        table.add_row(env_id, escape(description), escape(tools))
+    out.print(table)
+
+
+def _describe(env_spec: "EnvSpec") -> tuple[str, str]:
+    """Description and tool names of a spec, read from its class without building it."""
+    try:
+        factory = env_spec.load()
+    except Exception as exc:
+        return f"(cannot load: {type(exc).__name__}: {exc})", "?"
+    description = env_spec.description
+    metadata = getattr(factory, "metadata", None)
+    if not description and callable(metadata):
+        description = metadata().description
+    if not isinstance(factory, type):
+        return description, "?"
+    names = sorted(
+        str(getattr(member, _TOOL_ATTR))
+        for member in (getattr(factory, attr, None) for attr in dir(factory))
+        if getattr(member, _TOOL_ATTR, None) is not None
+    )
+    return description, ", ".join(names) or "-"
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

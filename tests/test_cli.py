@@ -1,0 +1,259 @@
+"""The ``envport`` console script, run as a user runs it: a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+
+import envport
+
+BIN = Path(sys.executable).parent
+ENVPORT = BIN / "envport"
+
+BROKEN_MODULE = '''
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from envport import Action, Env, Observation, StepResult
+
+
+class PickAction(Action):
+    value: int = Field(ge=0)
+
+
+class GreedyEnv(Env[PickAction, Observation]):
+    """Pays more than its reward_range allows."""
+
+    action_type = PickAction
+    reward_range = (0.0, 1.0)
+    check_actions: ClassVar[list[dict[str, Any]]] = [{"value": 5}]
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[Observation]:
+        return StepResult(observation=Observation())
+
+    async def on_step(self, action: PickAction) -> StepResult[Observation]:
+        return StepResult(observation=Observation(), reward=float(action.value))
+'''
+
+
+def envport_cli(
+    *args: str, pythonpath: Path | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    return subprocess.run(
+        [str(ENVPORT), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=50
+    )
+
+
+def test_help_lists_every_command() -> None:
+    result = envport_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("serve", "check", "init", "envs"):
+        assert command in result.stdout
+
+
+def test_serve_help_shows_the_server_options() -> None:
+    result = envport_cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in (
+        "--host",
+        "--port",
+        "--max-sessions",
+        "--max-queue",
+        "--queue-timeout",
+        "--call-timeout",
+        "--idle-timeout",
+        "--resume-grace",
+        "--max-frame-bytes",
+        "--log-level",
+    ):
+        assert option in result.stdout
+
+
+def test_version() -> None:
+    result = envport_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"envport {envport.__version__}"
+
+
+def test_envs_lists_echo_with_its_tools() -> None:
+    result = envport_cli("envs")
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if "echo-v1" in line)
+    assert "echo, reverse" in row
+
+
+def test_check_echo_passes() -> None:
+    result = envport_cli("check", "echo-v1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "echo-v1: passed" in result.stdout
+    assert "reset_determinism" in result.stdout
+
+
+def test_check_json_output() -> None:
+    result = envport_cli("check", "--json", "echo-v1")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["env_id"] == "echo-v1"
+    assert {r["name"] for r in report["results"]} >= {"reset", "step_count", "leaks"}
+
+
+def test_check_a_broken_env_by_import_path_exits_non_zero(tmp_path: Path) -> None:
+    (tmp_path / "greedy_env.py").write_text(BROKEN_MODULE)
+    result = envport_cli("check", "greedy_env:GreedyEnv", pythonpath=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    row = next(line for line in result.stdout.splitlines() if "reward_range" in line)
+    assert "fail" in row
+    assert "5.0" in row
+    assert "FAILED" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_unknown_env_suggests_the_closest_id(command: str) -> None:
+    result = envport_cli(command, "ecko-v1")
+    assert result.returncode == 2
+    assert "Unknown environment 'ecko-v1'" in result.stderr
+    assert "Did you mean 'echo-v1'?" in result.stderr
+
+
+def test_an_import_path_that_does_not_import_says_why() -> None:
+    result = envport_cli("check", "no_such_module_xyz:Env")
+    assert result.returncode == 2
+    assert "ModuleNotFoundError" in result.stderr
+
+
+def test_serve_rejects_bad_option_values_before_starting() -> None:
+    result = envport_cli("serve", "echo-v1", "--max-sessions", "0")
+    assert result.returncode == 2
+    assert "--max-sessions" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_runs_a_server_that_answers_health_and_resets() -> None:
+    port = _free_port()
+    cmd = [
+        str(ENVPORT),
+        "serve",
+        "echo-v1",
+        "--port",
+        str(port),
+        "--max-sessions",
+        "2",
+        "--call-timeout",
+        "0",
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                health = httpx.get(f"{base}/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+        assert health.json() == {"status": "healthy"}
+        assert "echo" in json.dumps(httpx.get(f"{base}/metadata", timeout=5).json()).lower()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode is not None
+
+
+def test_init_generates_a_package_that_passes_check(tmp_path: Path) -> None:
+    result = envport_cli("init", "coin-flip", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    root = tmp_path / "coin-flip"
+    for relative in (
+        "pyproject.toml",
+        "README.md",
+        "src/coin_flip/__init__.py",
+        "src/coin_flip/env.py",
+        "tests/test_env.py",
+    ):
+        assert (root / relative).is_file(), relative
+
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert pyproject["project"]["entry-points"]["envport.envs"] == {
+        "coin_flip": "coin_flip:register"
+    }
+
+    checked = envport_cli("check", "coin_flip.env:CoinFlipEnv", pythonpath=root / "src")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "fail" not in checked.stdout.replace("FAILED", "")
+    assert "warn" not in checked.stdout
+
+    # The entry point registers NAME-v1.
+    registers = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import coin_flip, envport; coin_flip.register(); "
+            "print(type(envport.make('coin-flip-v1')).__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        timeout=50,
+    )
+    assert registers.stdout.strip() == "CoinFlipEnv", registers.stderr
+
+
+def test_init_generated_tests_pass(tmp_path: Path) -> None:
+    assert envport_cli("init", "coin-flip", "--dir", str(tmp_path)).returncode == 0
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:asyncio",
+            "-W",
+            "error",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path / "coin-flip",
+        timeout=50,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 passed" in result.stdout
+
+
+def test_init_refuses_a_non_empty_directory_and_bad_names(tmp_path: Path) -> None:
+    assert envport_cli("init", "coin-flip", "--dir", str(tmp_path)).returncode == 0
+    again = envport_cli("init", "coin-flip", "--dir", str(tmp_path))
+    assert again.returncode == 2
+    assert "already exists" in again.stderr
+    bad = envport_cli("init", "Coin Flip", "--dir", str(tmp_path))
+    assert bad.returncode == 2
+    assert "Invalid environment name" in bad.stderr
