@@ -1,0 +1,266 @@
+"""Harbor task directories (the format of Terminal-Bench 2) as tasks.
+
+A Harbor task is a directory::
+
+    my-task/
+      instruction.md        the prompt
+      task.toml             version, [metadata], [verifier], [agent], [environment]
+      environment/          Docker build context: Dockerfile and the files it copies
+      tests/test.sh         the verifier: writes a reward to /logs/verifier/reward.txt
+      solution/solve.sh     optional reference solution
+
+It maps onto a :class:`~envport.tasks.task.Task` as follows: ``id`` is the directory
+name; ``prompt`` is ``instruction.md``; ``[environment]`` gives ``resources`` (cpus,
+memory, storage, gpus) and ``build_timeout_sec`` the ``env_start`` timeout;
+``[agent].timeout_sec`` and ``[verifier].timeout_sec`` the ``agent`` and ``scoring``
+timeouts; the verifier becomes one ``test_command`` rubric component that the rubric
+layer runs in the environment (``tests/`` uploaded to ``/tests``, then
+``bash /tests/test.sh``, then the reward read from ``reward.txt`` or ``reward.json``).
+Files under ``environment/`` other than the Docker files become workspace ``files`` (by
+reference); the build context is recorded in ``env_options``. ``env_id`` stays ``None``:
+a Harbor task names an image, not a registered environment. ``[metadata]`` becomes
+``metadata``, with Harbor-specific facts under ``metadata["harbor"]``.
+
+``task.toml`` is read tolerantly: unknown keys and sections are ignored, and both the
+current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from envport.tasks.errors import TaskFileError
+from envport.tasks.task import RubricSpec, Task, TaskFile
+
+#: Where Harbor's verifier expects the reward, and where it mounts ``tests/``.
+REWARD_FILE = "/logs/verifier/reward.txt"
+REWARD_JSON = "/logs/verifier/reward.json"
+TESTS_MOUNT = "/tests"
+
+_DOCKER_FILES = frozenset(
+    {"Dockerfile", "docker-compose.yaml", "docker-compose.yml", ".dockerignore"}
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Verifier(_Section):
+    timeout_sec: float | None = None
+
+
+class _Agent(_Section):
+    timeout_sec: float | None = None
+
+
+class _Environment(_Section):
+    build_timeout_sec: float | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    gpus: int | None = None
+    memory: str | None = None
+    storage: str | None = None
+    docker_image: str | None = None
+
+    @field_validator("memory", "storage")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is not None:
+            size_mb(value)
+        return value
+
+
+class _Config(_Section):
+    version: str | float | None = None
+    metadata: dict[str, Any] = {}
+    verifier: _Verifier = _Verifier()
+    agent: _Agent = _Agent()
+    environment: _Environment = _Environment()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
+_UNIT_MB = {"": 1 / 2**20, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
+
+
+def size_mb(text: str) -> int:
+    """``"2G"`` → 2048, ``"512M"`` → 512, ``"1.5GiB"`` → 1536 (a bare number is bytes)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"not a size like '2G' or '512M': {text!r}")
+    return max(1, round(float(match.group(1)) * _UNIT_MB[match.group(2).upper()]))
+
+
+def is_harbor_task(path: Path) -> bool:
+    return (path / "task.toml").is_file()
+
+
+def harbor_task_dirs(path: Path) -> list[Path]:
+    """``[path]`` if it is a task directory, else its task subdirectories, sorted."""
+    if is_harbor_task(path):
+        return [path]
+    if not path.is_dir():
+        raise TaskFileError(path, None, None, "not a directory")
+    dirs = sorted(d for d in path.iterdir() if d.is_dir() and is_harbor_task(d))
+    if not dirs:
+        raise TaskFileError(
+            path, None, None, "no task.toml here or in any subdirectory; not a Harbor task dir"
+        )
+    return dirs
+
+
+def read_harbor_task(task_dir: str | Path) -> Task:
+    """Read one Harbor task directory; errors name the file, line and field."""
+    task_dir = Path(task_dir)
+    config = _read_config(task_dir / "task.toml")
+    prompt = _read_instruction(task_dir / "instruction.md")
+    test_sh = task_dir / "tests" / "test.sh"
+    if not test_sh.is_file():
+        raise TaskFileError(
+            test_sh, None, "rubric", "missing: a Harbor task is scored by tests/test.sh"
+        )
+    env = config.environment
+    env_dir = task_dir / "environment"
+    env_options: dict[str, Any] = {}
+    if env.docker_image:
+        env_options["docker_image"] = env.docker_image
+    if (env_dir / "Dockerfile").is_file():
+        env_options["build_context"] = "environment"
+        env_options["dockerfile"] = "environment/Dockerfile"
+    solution = task_dir / "solution" / "solve.sh"
+    harbor_meta: dict[str, Any] = {
+        "version": None if config.version is None else str(config.version),
+        "solution": "solution/solve.sh" if solution.is_file() else None,
+        "environment_dir": "environment" if env_dir.is_dir() else None,
+    }
+    fields: dict[str, Any] = {
+        "id": task_dir.name,
+        "prompt": prompt,
+        "files": _environment_files(env_dir),
+        "env_options": env_options,
+        "resources": {
+            "cpus": env.cpus,
+            "memory_mb": env.memory_mb or (size_mb(env.memory) if env.memory else None),
+            "storage_mb": env.storage_mb or (size_mb(env.storage) if env.storage else None),
+            "gpus": env.gpus,
+            "timeouts": {
+                "env_start": env.build_timeout_sec,
+                "agent": config.agent.timeout_sec,
+                "scoring": config.verifier.timeout_sec,
+            },
+        },
+        "rubric": (
+            RubricSpec(
+                type="test_command",
+                params={
+                    "command": f"bash {TESTS_MOUNT}/test.sh",
+                    "tests_dir": "tests",
+                    "tests_mount": TESTS_MOUNT,
+                    "reward_file": REWARD_FILE,
+                    "reward_json": REWARD_JSON,
+                },
+            ),
+        ),
+        "metadata": {**config.metadata, "harbor": harbor_meta},
+        "source": str(task_dir),
+        "root": str(task_dir.resolve()),
+    }
+    try:
+        return Task(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(str(p) for p in err["loc"])
+        msg = err["msg"] + (f", got {err['input']!r}" if "input" in err else "")
+        if loc[:1] == ("prompt",):
+            raise TaskFileError(task_dir / "instruction.md", None, "prompt", msg) from exc
+        toml_path = task_dir / "task.toml"
+        section, key = _TOML_KEY.get(loc, ("", loc[0]))
+        text = toml_path.read_text(encoding="utf-8")
+        field = f"{section}.{key}" if section else key
+        raise TaskFileError(toml_path, _key_line(text, section, key), field, msg) from exc
+
+
+#: Task field -> the task.toml (section, key) it comes from.
+_TOML_KEY: dict[tuple[str, ...], tuple[str, str]] = {
+    ("resources", "cpus"): ("environment", "cpus"),
+    ("resources", "memory_mb"): ("environment", "memory_mb"),
+    ("resources", "storage_mb"): ("environment", "storage_mb"),
+    ("resources", "gpus"): ("environment", "gpus"),
+    ("resources", "timeouts", "env_start"): ("environment", "build_timeout_sec"),
+    ("resources", "timeouts", "agent"): ("agent", "timeout_sec"),
+    ("resources", "timeouts", "scoring"): ("verifier", "timeout_sec"),
+}
+
+
+def _read_config(toml_path: Path) -> _Config:
+    try:
+        text = toml_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TaskFileError(toml_path, None, None, f"cannot read: {exc.strerror}") from exc
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        match = re.search(r"at line (\d+)", str(exc))
+        line = int(match.group(1)) if match else None
+        raise TaskFileError(toml_path, line, None, f"invalid TOML: {exc}") from exc
+    try:
+        return _Config.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        section, key = (".".join(loc[:-1]), loc[-1]) if len(loc) > 1 else ("", loc[0])
+        line = _key_line(text, section, key)
+        msg = err["msg"] + (f", got {err['input']!r}" if "input" in err else "")
+        raise TaskFileError(toml_path, line, ".".join(loc), msg) from exc
+
+
+def _read_instruction(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise TaskFileError(
+            path, None, "prompt", "missing: a Harbor task's prompt is instruction.md"
+        ) from exc
+    if not text.strip():
+        raise TaskFileError(path, None, "prompt", "instruction.md is empty")
+    return text
+
+
+def _environment_files(env_dir: Path) -> dict[str, TaskFile]:
+    if not env_dir.is_dir():
+        return {}
+    files: dict[str, TaskFile] = {}
+    for file in sorted(env_dir.rglob("*")):
+        rel = file.relative_to(env_dir)
+        if not file.is_file() or (len(rel.parts) == 1 and rel.name in _DOCKER_FILES):
+            continue
+        files[rel.as_posix()] = TaskFile(
+            source=f"environment/{rel.as_posix()}", executable=os.access(file, os.X_OK)
+        )
+    return files
+
+
+_HEADER = re.compile(r"^\s*\[\s*([^\]\s]+)\s*\]")
+
+
+def _key_line(text: str, section: str, key: str) -> int | None:
+    """The 1-based line where ``key`` is set inside ``[section]`` ("" = top level)."""
+    current = ""
+    key_re = re.compile(rf"^\s*{re.escape(key)}\s*=")
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header:
+            current = header.group(1)
+            if current == f"{section}.{key}" if section else current == key:
+                return number
+            continue
+        if current == section and key_re.match(line):
+            return number
+    return None
