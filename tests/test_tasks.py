@@ -259,16 +259,32 @@ def test_length_get_and_source_rules() -> None:
 
 
 def test_builtin_tasksets_load_and_are_valid() -> None:
-    assert {"arithmetic", "guess-number"} <= set(builtin_names())
+    assert {"arithmetic", "guess-number", "sql"} <= set(builtin_names())
     arithmetic = list(load("builtin:arithmetic"))
-    assert len(arithmetic) == 20
+    assert len(arithmetic) == 48
     assert all(t.env_id == "arithmetic-v1" and t.answer is not None for t in arithmetic)
-    assert len({t.content_hash for t in arithmetic}) == 20
+    assert len({t.content_hash for t in arithmetic}) == 48
+    assert all(t.env_id == "sql-db-v1" for t in load("builtin:sql"))
     guess = list(load("builtin:guess-number"))
     assert guess
     assert all(t.env_id == "guess-number-v1" for t in guess)
     with pytest.raises(UnknownTasksetError, match="Did you mean 'arithmetic'"):
         load("builtin:arithmetik")
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "sql"])
+async def test_builtin_answers_match_their_environments(name: str) -> None:
+    """Each built-in task's prompt and answer are what its env produces for its seed."""
+    import envport
+
+    for task in load(f"builtin:{name}"):
+        assert task.env_id is not None
+        env = envport.make(task.env_id)
+        first = await env.reset(seed=task.seed, **task.env_options)
+        state = await env.state()
+        await env.close()
+        assert first.observation.model_dump()["question"] == task.prompt
+        assert state.model_dump()["reference_answer"] == task.answer
 
 
 # --- Hugging Face datasets --------------------------------------------------------------

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from envport.server.app import create_app
@@ -20,7 +21,7 @@ def uvicorn_config(
     """A ``uvicorn.Config`` tuned for many small WebSocket frames."""
     import uvicorn
 
-    ws_impl = "websockets-sansio"
+    ws_impl = os.environ.get("ENVPORT_WS_IMPL", "websockets-sansio")
     try:
         from uvicorn.protocols.websockets import websockets_sansio_impl  # noqa: F401
     except ImportError:  # older uvicorn

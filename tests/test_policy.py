@@ -1,0 +1,559 @@
+"""The scripted policy server, driven by the official ``openai`` SDK over a real socket."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from envport.envs.guess import GuessNumberEnv
+from envport.envs.sqldb import SqlDbEnv
+from envport.policy import ByteTokenizer, SamplingParams, ScriptedPolicy, create_policy_app
+from envport.policy.tokenizer import (
+    IM_END,
+    ParsedToolCall,
+    parse_assistant,
+    render_assistant,
+)
+from tests.support.processes import server_process
+from tests.support.servers import run_asgi
+
+TOK = ByteTokenizer()
+GUESS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "guess",
+        "description": "Guess the number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"number": {"type": "integer"}},
+            "required": ["number"],
+        },
+    },
+}
+GUESS_PROMPT = "I am thinking of an integer from 1 to 100. Find it."
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[str, Any]]:
+    app = create_policy_app(ScriptedPolicy(seed=0), faults=True)
+    with run_asgi(app) as url:
+        yield url, app
+
+
+@pytest.fixture
+def url(served: tuple[str, Any]) -> str:
+    return served[0]
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def ask(client: openai.OpenAI, content: str, **kwargs: Any) -> Any:
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model="anything", messages=messages, **kwargs)
+
+
+def extra(obj: Any, name: str) -> Any:
+    """A vLLM field the SDK's models do not declare (kept as a pydantic extra)."""
+    return (obj.model_extra or {})[name]
+
+
+def echo_back(message: Any) -> dict[str, Any]:
+    """The assistant message as a client sends it back: text and tool calls only."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in message.tool_calls
+        ]
+    return out
+
+
+# --- the basics ---------------------------------------------------------------------------
+
+
+def test_models_and_health(client: openai.OpenAI, url: str) -> None:
+    assert [m.id for m in client.models.list()] == ["envport-scripted"]
+    assert httpx.get(f"{url}/health").json() == {"status": "healthy", "model": "envport-scripted"}
+
+
+def test_arithmetic_answer_carries_ids_and_logprobs(client: openai.OpenAI) -> None:
+    resp = ask(client, "What is 12 + 7?", logprobs=True, temperature=0)
+    choice = resp.choices[0]
+    assert resp.model == "envport-scripted"
+    assert choice.finish_reason == "stop"
+    assert choice.message.tool_calls in (None, [])
+    assert int(choice.message.content) in range(16, 23)
+    ids = extra(choice, "token_ids")
+    assert ids[-1] == TOK.encode(IM_END)[0]
+    assert TOK.decode(ids) == choice.message.content + IM_END
+    assert TOK.decode(ids, skip_special_tokens=True) == choice.message.content
+    assert len(choice.logprobs.content) == len(ids)
+    assert all(-10 < lp.logprob < 0 for lp in choice.logprobs.content)
+    assert [bytes(lp.bytes) for lp in choice.logprobs.content] == [TOK.token_bytes(i) for i in ids]
+    prompt_ids = extra(resp, "prompt_token_ids")
+    template = TOK.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}])
+    assert TOK.decode(prompt_ids) == template
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == len(ids)
+
+
+def test_tool_call_in_openai_shape(client: openai.OpenAI) -> None:
+    resp = ask(client, GUESS_PROMPT, tools=[GUESS_TOOL])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function"
+    assert call.id.startswith("call_")
+    assert call.function.name == "guess"
+    assert json.loads(call.function.arguments) == {"number": 50}
+    ids = extra(choice, "token_ids")
+    rendered = render_assistant(None, [ParsedToolCall("guess", call.function.arguments)])
+    assert TOK.decode(ids) == rendered + IM_END
+    assert parse_assistant(TOK.decode(ids[:-1])) == (
+        None,
+        [ParsedToolCall("guess", call.function.arguments)],
+    )
+
+
+def test_top_logprobs(client: openai.OpenAI) -> None:
+    resp = ask(client, "What is 3 * 4?", logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == len(extra(resp.choices[0], "token_ids"))
+    for entry in content:
+        tops = entry.top_logprobs
+        assert len(tops) == 3
+        assert [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert entry.token in [t.token for t in tops]
+        assert sum(2.718281828**t.logprob for t in tops) <= 1.0 + 1e-6
+
+
+def test_token_ids_can_be_declined(client: openai.OpenAI) -> None:
+    resp = ask(client, "hello", extra_body={"return_token_ids": False})
+    assert "prompt_token_ids" not in (resp.model_extra or {})
+    assert "token_ids" not in (resp.choices[0].model_extra or {})
+    assert resp.choices[0].logprobs is None
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    resp = ask(client, "What is 40 + 2?", n=2, logprobs=True)
+    assert [c.index for c in resp.choices] == [0, 1]
+    for c in resp.choices:
+        assert TOK.decode(extra(c, "token_ids"), skip_special_tokens=True) == c.message.content
+        assert len(c.logprobs.content) == len(extra(c, "token_ids"))
+    total = sum(len(extra(c, "token_ids")) for c in resp.choices)
+    assert resp.usage.completion_tokens == total
+    greedy = ask(client, "What is 40 + 2?", n=3, temperature=0)
+    assert len({c.message.content for c in greedy.choices}) == 1
+
+
+def test_n_choices_differ_when_sampling(client: openai.OpenAI) -> None:
+    answers = [
+        tuple(c.message.content for c in ask(client, f"What is {a} + 1?", n=4).choices)
+        for a in range(20)
+    ]
+    assert any(len(set(a)) > 1 for a in answers)
+
+
+def test_max_tokens_and_stop(client: openai.OpenAI) -> None:
+    resp = ask(client, "a long sentence to echo", max_tokens=3)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert extra(choice, "token_ids") == TOK.encode("a l")
+    assert choice.message.content == "a l"
+    stopped = ask(client, "a long sentence to echo", stop=["sentence"])
+    assert stopped.choices[0].message.content == "a long "
+    assert stopped.choices[0].finish_reason == "stop"
+    assert extra(stopped.choices[0], "stop_reason") == "sentence"
+
+
+# --- streaming ----------------------------------------------------------------------------
+
+
+def reassemble(stream: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"content": "", "calls": {}, "ids": [], "logprobs": [], "usage": None}
+    for chunk in stream:
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        extras = chunk.model_extra or {}
+        if "prompt_token_ids" in extras:
+            out["prompt_ids"] = extras["prompt_token_ids"]
+        for choice in chunk.choices:
+            assert choice.index == 0
+            out["ids"] += (choice.model_extra or {}).get("token_ids", [])
+            if choice.logprobs is not None:
+                out["logprobs"] += [e.logprob for e in choice.logprobs.content]
+            out["content"] += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or ():
+                call = out["calls"].setdefault(tc.index, {"id": None, "name": "", "args": ""})
+                call["id"] = tc.id or call["id"]
+                call["name"] += tc.function.name or ""
+                call["args"] += tc.function.arguments or ""
+            if choice.finish_reason is not None:
+                out["finish"] = choice.finish_reason
+    return out
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tools"),
+    [
+        ("What is 123 - 45?", None),
+        ("héllo wörld ✓ 日本語 — echo me back, please", None),
+        (GUESS_PROMPT, [GUESS_TOOL]),
+    ],
+)
+def test_streaming_matches_non_streaming(
+    client: openai.OpenAI, prompt: str, tools: list[dict[str, Any]] | None
+) -> None:
+    kwargs: dict[str, Any] = {"seed": 7, "logprobs": True}
+    if tools:
+        kwargs["tools"] = tools
+    full = ask(client, prompt, **kwargs)
+    streamed = reassemble(
+        ask(client, prompt, stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    choice = full.choices[0]
+    assert streamed["content"] == (choice.message.content or "")
+    assert streamed["ids"] == extra(choice, "token_ids")
+    assert streamed["logprobs"] == [e.logprob for e in choice.logprobs.content]
+    assert streamed["prompt_ids"] == extra(full, "prompt_token_ids")
+    assert streamed["finish"] == choice.finish_reason
+    assert streamed["usage"].completion_tokens == full.usage.completion_tokens
+    calls = [(c["id"], c["name"], c["args"]) for _, c in sorted(streamed["calls"].items())]
+    expected = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert calls == expected
+
+
+# --- the prefix property ------------------------------------------------------------------
+
+
+def assert_prefix(turn1: Any, turn2: Any) -> None:
+    prompt1, prompt2 = extra(turn1, "prompt_token_ids"), extra(turn2, "prompt_token_ids")
+    completion1 = extra(turn1.choices[0], "token_ids")
+    head = prompt1 + completion1
+    assert prompt2[: len(head)] == head
+    assert len(prompt2) > len(head)
+
+
+def test_prefix_property_across_tool_turns(client: openai.OpenAI) -> None:
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Play the game."},
+        {"role": "user", "content": GUESS_PROMPT},
+    ]
+    turn1 = client.chat.completions.create(model="m", messages=messages, tools=[GUESS_TOOL])
+    call = turn1.choices[0].message.tool_calls[0]
+    messages += [
+        echo_back(turn1.choices[0].message),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"feedback": "lower"}'},
+    ]
+    turn2 = client.chat.completions.create(model="m", messages=messages, tools=[GUESS_TOOL])
+    assert json.loads(turn2.choices[0].message.tool_calls[0].function.arguments) == {"number": 25}
+    assert_prefix(turn1, turn2)
+
+
+def test_prefix_property_across_text_turns(client: openai.OpenAI) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Grüße — what is 6 * 7?"}]
+    turn1 = client.chat.completions.create(model="m", messages=messages)
+    messages += [
+        echo_back(turn1.choices[0].message),
+        {"role": "user", "content": [{"type": "text", "text": "And 1 + 1?"}]},
+    ]
+    turn2 = client.chat.completions.create(model="m", messages=messages)
+    assert_prefix(turn1, turn2)
+
+
+def test_template_prefix_property_with_content_and_parallel_calls() -> None:
+    tools = [GUESS_TOOL]
+    history: list[dict[str, Any]] = [{"role": "user", "content": "ünïcode and two calls"}]
+    calls = [ParsedToolCall("guess", '{"number": 1}'), ParsedToolCall("guess", '{"number": 2}')]
+    body = render_assistant("Let me try twice:\n", calls)
+    assert parse_assistant(body) == ("Let me try twice:\n", calls)
+    prompt1 = TOK.encode(TOK.apply_chat_template(history, tools))
+    completion1 = [*TOK.encode(body), TOK.encode(IM_END)[0]]
+    history += [
+        {
+            "role": "assistant",
+            "content": "Let me try twice:\n",
+            "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": c.name, "arguments": a}}
+                for i, (c, a) in enumerate((c, c.arguments) for c in calls)
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": "higher"},
+        {"role": "tool", "tool_call_id": "c1", "content": "higher"},
+    ]
+    prompt2 = TOK.encode(TOK.apply_chat_template(history, tools))
+    assert prompt2[: len(prompt1) + len(completion1)] == prompt1 + completion1
+    assert TOK.decode(TOK.encode("a<|im_start|>b\u00e9")) == "a<|im_start|>b\u00e9"
+    assert len(TOK.encode("<|im_end|>")) == 1
+
+
+# --- the script -----------------------------------------------------------------------------
+
+
+def test_arithmetic_correct_at_about_p_correct_and_reproducibly(client: openai.OpenAI) -> None:
+    rng = random.Random(1234)
+    questions = [(rng.randint(10, 999), rng.randint(10, 999)) for _ in range(100)]
+
+    def answers() -> list[int]:
+        return [
+            int(ask(client, f"What is {a} + {b}?").choices[0].message.content) for a, b in questions
+        ]
+
+    first = answers()
+    assert first == answers()
+    right = sum(ans == a + b for ans, (a, b) in zip(first, questions, strict=True))
+    assert 65 <= right <= 95
+    assert all(
+        0 < abs(ans - (a + b)) <= 3
+        for ans, (a, b) in zip(first, questions, strict=True)
+        if ans != a + b
+    )
+
+
+async def test_p_correct_bounds_and_hard_questions() -> None:
+    sampling = SamplingParams()
+    always, never = ScriptedPolicy(p_correct=1.0), ScriptedPolicy(p_correct=0.0)
+    question = [{"role": "user", "content": "What is (12 + 30) * 3 - 8 / 4? Reply with a number."}]
+    assert (await always.generate(question, None, sampling)).text == "124"
+    assert (await never.generate(question, None, sampling)).text != "124"
+    with pytest.raises(ValueError, match="p_correct"):
+        ScriptedPolicy(p_correct=1.5)
+
+
+def openai_tools(env: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": s.name,
+                "description": s.description,
+                "parameters": s.input_schema,
+            },
+        }
+        for s in env.tool_specs()
+    ]
+
+
+async def run_agent(url: str, env: Any, prompt: str, max_turns: int = 12) -> tuple[list[str], str]:
+    """A minimal tool loop; returns the tool names called and the final text."""
+    tools = openai_tools(env)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    called: list[str] = []
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        for _ in range(max_turns):
+            resp = await client.chat.completions.create(model="m", messages=messages, tools=tools)
+            message = resp.choices[0].message
+            messages.append(echo_back(message))
+            if not message.tool_calls:
+                return called, message.content or ""
+            for call in message.tool_calls:
+                called.append(call.function.name)
+                result = await env.call_tool(
+                    call.function.name, json.loads(call.function.arguments)
+                )
+                content = json.dumps(result)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    raise AssertionError(f"no final answer after {max_turns} turns: {called}")
+
+
+async def test_binary_search_solves_the_real_guess_env(url: str) -> None:
+    async with GuessNumberEnv(high=100, max_steps=7) as env:
+        first = await env.reset(seed=3)
+        called, text = await run_agent(url, env, first.observation.message)
+        assert called == ["guess"] * len(called)
+        assert 1 <= len(called) <= 7
+        assert env.solved
+        assert text == f"The number is {env.secret}."
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_scripted_sql_sequence_answers_the_real_sql_env(url: str, seed: int) -> None:
+    env = SqlDbEnv()
+    try:
+        first = await env.reset(seed=seed)
+        called, text = await run_agent(url, env, first.observation.question)
+        assert called[0] == "list_tables"
+        assert called[1 : 1 + len(env.tables)] == ["describe_table"] * len(env.tables)
+        assert called[-2:] == ["run_query", "submit_answer"]
+        assert text.startswith("Answer: ")
+        assert env.correct is True
+    finally:
+        await env.close()
+
+
+def test_other_prompts_are_echoed(client: openai.OpenAI) -> None:
+    assert ask(client, "Tell me a story.").choices[0].message.content == "Tell me a story."
+
+
+# --- /v1/completions ------------------------------------------------------------------------
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model="m", prompt="Q: What is 2 + 2?\nA:", logprobs=2, temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.text.strip() in {str(v) for v in range(1, 8)}
+    assert TOK.decode(extra(choice, "token_ids"), skip_special_tokens=True) == choice.text
+    assert TOK.decode(extra(choice, "prompt_token_ids")) == "Q: What is 2 + 2?\nA:"
+    assert len(choice.logprobs.token_logprobs) == len(extra(choice, "token_ids"))
+    assert all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
+    streamed = client.completions.create(
+        model="m", prompt="Q: What is 2 + 2?\nA:", stream=True, temperature=0
+    )
+    text, ids = "", []
+    for chunk in streamed:
+        for c in chunk.choices:
+            text += c.text
+            ids += (c.model_extra or {}).get("token_ids", [])
+    assert text == choice.text
+    assert ids == extra(choice, "token_ids")
+    by_ids = client.completions.create(model="m", prompt=TOK.encode("echo this"), n=2)
+    assert [c.text for c in by_ids.choices] == [" echo this", " echo this"]
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+
+
+def test_bad_requests_get_openai_errors(url: str, client: openai.OpenAI) -> None:
+    chat = f"{url}/v1/chat/completions"
+    bad_json = httpx.post(
+        chat, content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    assert_openai_error(bad_json, 400)
+    assert bad_json.json()["error"]["type"] == "invalid_request_error"
+    assert_openai_error(httpx.post(chat, json={"model": "m"}), 400, "messages")
+    assert_openai_error(httpx.post(chat, json=[1, 2]), 400)
+    assert_openai_error(httpx.post(chat, json={"messages": []}), 400, "messages")
+    bad_role = {"messages": [{"role": "wizard", "content": "hi"}]}
+    assert_openai_error(httpx.post(chat, json=bad_role), 400, "messages.0.role")
+    assert_openai_error(httpx.get(chat), 405)
+    assert_openai_error(httpx.get(f"{url}/v1/nothing-here"), 404)
+    assert_openai_error(httpx.post(f"{url}/v1/completions", json={"n": 1}), 400, "prompt")
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(client, "hi", n=0)
+    assert info.value.param == "n"
+    assert info.value.type == "invalid_request_error"
+
+
+def test_context_length_is_enforced() -> None:
+    app = create_policy_app(ScriptedPolicy(max_model_len=32))
+    with run_asgi(app) as url:
+        resp = httpx.post(
+            f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 40}]}
+        )
+    assert_openai_error(resp, 400, "messages")
+    assert resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+def fault(name: str) -> dict[str, Any]:
+    return {"extra_headers": {"X-Envport-Fault": name}}
+
+
+def test_fault_status(client: openai.OpenAI, url: str) -> None:
+    with pytest.raises(openai.InternalServerError):
+        ask(client, "hi", **fault("500"))
+    with pytest.raises(openai.RateLimitError):
+        ask(client, "hi", stream=True, **fault("429"))
+    raw = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Envport-Fault": "503"},
+    )
+    assert_openai_error(raw, 503)
+    assert raw.json()["error"]["type"] == "server_error"
+
+
+def test_fault_garbage(client: openai.OpenAI) -> None:
+    with pytest.raises(json.JSONDecodeError):
+        ask(client, "hi", **fault("garbage"))
+    with pytest.raises(json.JSONDecodeError):
+        list(ask(client, "hi", stream=True, **fault("garbage")))
+
+
+def test_fault_slow(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.APITimeoutError):
+        ask(client, "hi", timeout=0.3, **fault("slow:2"))
+    assert ask(client, "hi", **fault("slow:0.05")).choices[0].message.content == "hi"
+
+
+def test_fault_cut_stream(client: openai.OpenAI) -> None:
+    seen: list[Any] = []
+    with pytest.raises(openai.APIConnectionError):
+        seen.extend(
+            ask(client, "a reply long enough to need chunks", stream=True, **fault("cut-stream"))
+        )
+    assert not any(c.choices and c.choices[0].finish_reason for c in seen)
+    with pytest.raises(openai.APIConnectionError):
+        ask(client, "hi", **fault("cut-stream"))
+
+
+def test_queued_faults_apply_to_the_next_requests(
+    served: tuple[str, Any], client: openai.OpenAI
+) -> None:
+    _, app = served
+    app.state.faults.push("502", times=2)
+    for _ in range(2):
+        with pytest.raises(openai.APIStatusError) as info:
+            ask(client, "hi")
+        assert info.value.status_code == 502
+    assert ask(client, "hi").choices[0].message.content == "hi"
+
+
+def test_unknown_fault_is_a_clear_error(url: str) -> None:
+    resp = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers={"X-Envport-Fault": "explode"},
+    )
+    assert_openai_error(resp, 400, "x-envport-fault")
+    assert "slow:SECONDS" in resp.json()["error"]["message"]
+
+
+def test_faults_are_ignored_unless_enabled() -> None:
+    app = create_policy_app()
+    with run_asgi(app) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+        assert ask(c, "hi", **fault("500")).choices[0].message.content == "hi"
+        with pytest.raises(RuntimeError, match="faults=True"):
+            app.state.faults.push("500")
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def test_module_runs_a_server(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "envport.policy.server", "--seed", "3"]
+    with (
+        server_process(argv, tmp_path / "policy.log") as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c,
+    ):
+        assert ask(c, "What is 1 + 1?").model == "envport-scripted"
+    assert "not a model" in (tmp_path / "policy.log").read_text()
