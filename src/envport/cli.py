@@ -1,4 +1,4 @@
-"""The ``envport`` command: serve, check, scaffold and list environments.
+"""The ``envport`` command: serve, check, scaffold and list environments; run evals.
 
 Each command is a thin shell over a library function (``envport.server.serve``,
 :func:`envport.check.check`, :func:`envport.scaffold.scaffold`,
@@ -287,6 +287,15 @@ def _describe(env_spec: "EnvSpec") -> tuple[str, str]:
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+def _register_run_commands() -> None:
+    from envport.cli_runs import register
+
+    register(app)
+
+
+_register_run_commands()
 
 
 if __name__ == "__main__":

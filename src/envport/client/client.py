@@ -98,6 +98,12 @@ class EnvClient:
         data: dict[str, Any] = reply["data"]
         return data
 
+    async def schema(self) -> dict[str, Any]:
+        """JSON Schemas of action, observation and state, plus ``tools``; takes no step."""
+        reply = await self._call({"type": "schema"})
+        data: dict[str, Any] = reply["data"]
+        return data
+
     async def list_tools(self) -> list[dict[str, Any]]:
         result = await self.step({"type": "list_tools"})
         tools: list[dict[str, Any]] = result.observation.get("tools", [])

@@ -215,6 +215,9 @@ class HTTPTransport:
             if kind == "state":
                 response = await self._client.get("/state", headers=headers)
                 return {"type": "state", "data": self._decode(response)}
+            if kind == "schema":
+                response = await self._client.get("/schema")
+                return {"type": "schema", "data": self._decode(response)}
         except EnvportError as exc:
             return {"type": "error", "data": exc.to_wire()}
         except httpx.HTTPError as exc:

@@ -10,6 +10,8 @@ envport's extensions, never sent to a client that did not ask for them:
   client that lost its connection to its live session within the grace period.
 * ``open``: another session on the same connection (for vectorised clients).
 * ``batch``: ``reset``/``step``/``state`` for many sessions in one frame.
+* ``schema``: the action/observation/state JSON Schemas and the tool list, without
+  taking a step (OpenEnv has them only at ``GET /schema``).
 """
 
 from envport.protocol.codec import (

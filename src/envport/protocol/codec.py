@@ -10,7 +10,7 @@ from envport.errors import EnvportError, InvalidJSONError, PayloadTooLargeError,
 
 #: Client frame types a server understands.
 FRAME_TYPES = frozenset(
-    {"reset", "step", "state", "close", "mcp", "hello", "open", "batch", "ping"}
+    {"reset", "step", "state", "close", "mcp", "hello", "open", "batch", "ping", "schema"}
 )
 
 

@@ -75,6 +75,9 @@ def create_app(
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.manager = manager
     app.state.metadata = meta
-    app.state.schemas = env_cls.schemas()
+    app.state.schemas = {
+        **env_cls.schemas(),
+        "tools": [t.model_dump() for t in probe.tool_specs()],
+    }
     app.state.env_name = env_name
     return app

@@ -137,6 +137,12 @@ async def run_op(session: Session, kind: str, data: Any, *, extended: bool) -> d
     if kind == "state":
         state = await session.state()
         return {"type": "state", "data": state.model_dump(mode="json")}
+    if kind == "schema":
+        env = session.env
+        return {
+            "type": "schema",
+            "data": {**env.schemas(), "tools": [t.model_dump() for t in env.tool_specs()]},
+        }
     if kind == "mcp":
         from envport.mcp.jsonrpc import handle_jsonrpc
 

@@ -1,0 +1,326 @@
+"""``envport eval`` and ``envport traces``: whole runs, from the command line.
+
+Thin shells over :mod:`envport.evaluate`, :mod:`envport.trace` and :mod:`envport.report`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from envport.errors import EnvportError
+
+out = Console()
+err = Console(stderr=True)
+
+DEFAULT_STORE = Path("runs/envport.db")
+StoreOpt = Annotated[Path, typer.Option("--store", help="SQLite trace store (created if missing).")]
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def local_scripted_model() -> Iterator[str]:
+    """Start envport's scripted OpenAI-compatible server; yields its ``/v1`` base URL."""
+    from envport.policy import create_policy_app
+    from envport.serving import serve_in_thread
+
+    with serve_in_thread(create_policy_app()) as url:
+        yield url + "/v1"
+
+
+@contextmanager
+def env_servers(env_ids: set[str]) -> Iterator[dict[str, str]]:
+    """One envport server per environment id, on loopback; yields id -> URL."""
+    from envport.server import ServerConfig, create_app
+    from envport.serving import serve_in_thread
+
+    urls: dict[str, str] = {}
+    with ExitStack() as stack:
+        for env_id in sorted(env_ids):
+            config = ServerConfig()
+            urls[env_id] = stack.enter_context(
+                serve_in_thread(create_app(env_id, config), config=config)
+            )
+        yield urls
+
+
+def eval_command(
+    taskset: Annotated[
+        str,
+        typer.Argument(
+            help="builtin:NAME, a .jsonl file, a Harbor task dir, hf:PATH, *.parquet, "
+            "entrypoint:NAME or module:Class.",
+            show_default=False,
+        ),
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="OpenAI-compatible base URL (…/v1). Omitted: start envport's local "
+            "[bold]scripted[/] model server (a stand-in, not a model)."
+        ),
+    ] = None,
+    model_name: Annotated[str, typer.Option(help="Model name sent upstream.")] = "default",
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")] = None,
+    rollouts: Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")] = 1,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 16,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")] = None,
+    max_turns: Annotated[int, typer.Option(min=1)] = 10,
+    serve_envs: Annotated[
+        bool,
+        typer.Option(
+            "--serve-envs/--in-process",
+            help="Drive each environment through a real envport server over WebSocket, "
+            "or in-process (no sockets).",
+        ),
+    ] = False,
+    store: StoreOpt = DEFAULT_STORE,
+    run_id: Annotated[str | None, typer.Option(help="Run id (default: new).")] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Finish run --run-id without redoing finished rollouts.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run a taskset: tasks x rollouts through the built-in agent, scored and stored."""
+    from envport.evaluate import EvalConfig
+    from envport.harness import AgentConfig
+    from envport.report import summary_table
+    from envport.tasks import TasksetError, load
+
+    if resume and not run_id:
+        _fail("--resume needs --run-id (see `envport traces runs`).")
+    try:
+        tasks = load(taskset)
+        task_list = list(tasks.head(limit) if limit else tasks)
+    except (TasksetError, EnvportError, OSError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    if not task_list:
+        _fail(f"{taskset} has no tasks.")
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        if model is None:
+            model = stack.enter_context(local_scripted_model())
+            if not as_json:
+                out.print(
+                    f"[yellow]No --model given: using envport's scripted stand-in at {model} "
+                    "(rule-based, not a model).[/]"
+                )
+        env_urls: dict[str, str] = {}
+        if serve_envs:
+            ids = {t.env_id for t in task_list if t.env_id}
+            env_urls = stack.enter_context(env_servers(ids))
+        config = EvalConfig(
+            rollouts=rollouts,
+            concurrency=concurrency,
+            env_urls=env_urls,
+            agent=AgentConfig(max_turns=max_turns),
+        )
+        summary = asyncio.run(
+            _run(
+                model,
+                model_name,
+                api_key,
+                store,
+                config,
+                task_list,
+                taskset,
+                run_id,
+                resume,
+                quiet=as_json,
+            )
+        )
+    if as_json:
+        out.print_json(summary.model_dump_json())
+        return
+    out.print(summary_table(summary))
+    out.print(
+        f"Traces in [bold]{store}[/]: [bold]envport traces list --run {summary.run_id}"
+        f" --store {store}[/], then [bold]envport traces show TRACE_ID --store {store}[/]"
+    )
+
+
+async def _run(
+    base_url: str,
+    model_name: str,
+    api_key: str | None,
+    store_path: Path,
+    config: Any,
+    tasks: list[Any],
+    taskset: str,
+    run_id: str | None,
+    resume: bool,
+    *,
+    quiet: bool,
+) -> Any:
+    from envport.evaluate import Evaluator
+    from envport.harness import ChatModel
+    from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace
+
+    model = ChatModel(base_url, model_name, api_key=api_key)
+    progress = Progress(
+        TextColumn("[bold]eval[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        console=out,
+        disable=quiet,
+        transient=False,
+    )
+    bar = progress.add_task("rollouts", total=None, stats="")
+    counts = {"ok": 0, "failed": 0, "reward": 0.0}
+
+    def started(n: int) -> None:
+        progress.update(bar, total=n)
+
+    def done(trace: Trace) -> None:
+        if trace.status.value == "completed":
+            counts["ok"] += 1
+            counts["reward"] += trace.reward or 0.0
+        else:
+            counts["failed"] += 1
+        mean = counts["reward"] / counts["ok"] if counts["ok"] else 0.0
+        progress.update(
+            bar,
+            advance=1,
+            stats=f"[green]{counts['ok']} ok[/] [red]{counts['failed']} failed[/] "
+            f"mean reward {mean:.3f}",
+        )
+
+    try:
+        with progress:
+            async with AsyncTraceStore(SQLiteTraceStore(store_path)) as store:
+                evaluator = Evaluator(model, store, config, taskset_name=taskset)
+                return await evaluator.run(
+                    tasks, run_id=run_id, resume=resume, on_done=done, on_start=started
+                )
+    finally:
+        await model.aclose()
+
+
+traces_app = typer.Typer(help="List, show and export stored traces.", no_args_is_help=True)
+
+
+def _open(store: Path) -> Any:
+    from envport.trace import SQLiteTraceStore
+
+    if not store.exists():
+        _fail(f"No trace store at {store}; run `envport eval` first or pass --store.")
+    return SQLiteTraceStore(store)
+
+
+@traces_app.command("list")
+def traces_list(
+    store: StoreOpt = DEFAULT_STORE,
+    run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
+    task: Annotated[str | None, typer.Option(help="Only this task id.")] = None,
+    status: Annotated[str | None, typer.Option(help="completed, failed, …")] = None,
+    min_reward: Annotated[float | None, typer.Option()] = None,
+    limit: Annotated[int, typer.Option(min=1)] = 50,
+) -> None:
+    """A table of traces, newest last."""
+    from envport.report import traces_table
+
+    db = _open(store)
+    try:
+        traces = db.query(
+            run_id=run, task_id=task, status=status, min_reward=min_reward, limit=limit
+        )
+    finally:
+        db.close()
+    out.print(traces_table(traces))
+
+
+@traces_app.command("runs")
+def traces_runs(store: StoreOpt = DEFAULT_STORE) -> None:
+    """The runs in the store, with counts by status."""
+    from rich.table import Table
+
+    db = _open(store)
+    try:
+        table = Table("run", "created", "traces by status", title="runs", title_justify="left")
+        for run in db.list_runs():
+            counts = db.count_by_status(run_id=run.run_id)
+            cells = ", ".join(f"{k.value}: {v}" for k, v in counts.items())
+            table.add_row(run.run_id, run.created_at.isoformat(timespec="seconds"), cells)
+    finally:
+        db.close()
+    out.print(table)
+
+
+@traces_app.command("show")
+def traces_show(
+    trace_id: Annotated[str, typer.Argument(show_default=False)],
+    store: StoreOpt = DEFAULT_STORE,
+    as_json: Annotated[bool, typer.Option("--json", help="The raw trace as JSON.")] = False,
+) -> None:
+    """One trace as a readable transcript, model calls with token ids included."""
+    from envport.report import transcript
+    from envport.trace import TraceNotFoundError
+
+    db = _open(store)
+    try:
+        trace = db.get(trace_id)
+    except TraceNotFoundError as exc:
+        _fail(str(exc))
+        return
+    finally:
+        db.close()
+    if as_json:
+        out.print_json(trace.to_json())
+    else:
+        out.print(transcript(trace))
+
+
+@traces_app.command("export")
+def traces_export(
+    path: Annotated[Path, typer.Argument(help="Output file: .jsonl or .parquet.")],
+    store: StoreOpt = DEFAULT_STORE,
+    run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
+) -> None:
+    """Export traces to JSONL or Parquet (import back with `envport traces import`)."""
+    from envport.trace import export_traces
+
+    db = _open(store)
+    try:
+        n = export_traces(db, path, run_id=run)
+    finally:
+        db.close()
+    out.print(f"wrote {n} traces to {path}")
+
+
+@traces_app.command("import")
+def traces_import(
+    path: Annotated[Path, typer.Argument(help="A .jsonl or .parquet export.")],
+    store: StoreOpt = DEFAULT_STORE,
+) -> None:
+    """Import traces from JSONL or Parquet into the store."""
+    from envport.trace import SQLiteTraceStore, TraceFormatError, import_traces
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    db = SQLiteTraceStore(store)
+    try:
+        n = import_traces(db, path)
+    except TraceFormatError as exc:
+        _fail(str(exc))
+        return
+    finally:
+        db.close()
+    out.print(f"imported {n} traces into {store}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)
+    app.add_typer(traces_app, name="traces")

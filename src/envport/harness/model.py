@@ -1,0 +1,139 @@
+"""A recording client for any OpenAI-compatible chat endpoint.
+
+Every call becomes a :class:`~envport.trace.ModelCall`: the request as sent, the response
+as received (all choices), sampling parameters, finish reasons, usage, latency, and —
+when the server returns them, as vLLM does — prompt and completion token ids with
+per-token logprobs. The client asks for them (``logprobs: true``,
+``return_token_ids: true``); servers that ignore those fields are recorded as missing
+token data, not as errors.
+
+Failures are classified here, at the boundary: connection errors, HTTP errors and
+malformed responses raise :class:`ModelProviderError`, which the harness records on the
+trace with kind ``model_provider``.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import orjson
+
+from envport.errors import EnvportError
+from envport.trace import Choice, ModelCall, SamplingParams, Usage
+
+
+class ModelProviderError(EnvportError):
+    """The model endpoint was unreachable, failed, or answered something unusable."""
+
+    def __init__(self, message: str, *, status: int | None = None, retryable: bool = False):
+        super().__init__(message, status=status, retryable=retryable)
+        self.status = status
+        self.retryable = retryable
+
+
+def _choice(raw: dict[str, Any]) -> Choice:
+    token_ids = raw.get("token_ids")
+    logprobs_block = raw.get("logprobs") or {}
+    content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
+    logprobs = [float(item["logprob"]) for item in content] if content else None
+    if token_ids is not None and logprobs is not None and len(logprobs) != len(token_ids):
+        logprobs = None  # cannot align them one to one; record ids alone
+    return Choice(
+        index=int(raw.get("index", 0)),
+        finish_reason=raw.get("finish_reason"),
+        completion_token_ids=list(token_ids) if token_ids is not None else None,
+        completion_logprobs=logprobs,
+    )
+
+
+class ChatModel:
+    """``POST {base_url}/chat/completions`` with token ids and logprobs requested."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        sampling: dict[str, Any] | None = None,
+        request_token_data: bool = True,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.sampling = dict(sampling or {})
+        self.request_token_data = request_token_data
+        headers = {"Authorization": f"Bearer {api_key or 'envport'}"}
+        self._client = client or httpx.AsyncClient(
+            timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=512)
+        )
+        self._owns_client = client is None
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    def build_request(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, **self.sampling}
+        if tools:
+            body["tools"] = tools
+        if self.request_token_data:
+            body.setdefault("logprobs", True)
+            body.setdefault("return_token_ids", True)
+        return body
+
+    async def complete(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[ModelCall, dict[str, Any]]:
+        """One chat completion; returns the recorded call and the first choice's message."""
+        body = self.build_request(messages, tools)
+        started = datetime.now(UTC)
+        t0 = time.perf_counter()
+        url = f"{self.base_url}/chat/completions"
+        try:
+            response = await self._client.post(url, content=orjson.dumps(body))
+        except httpx.TimeoutException as exc:
+            raise ModelProviderError(f"Model endpoint timed out: {url}", retryable=True) from exc
+        except httpx.HTTPError as exc:
+            raise ModelProviderError(
+                f"Model endpoint unreachable: {url}: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
+        latency = time.perf_counter() - t0
+        if response.status_code >= 400:
+            raise ModelProviderError(
+                f"Model endpoint answered HTTP {response.status_code}: {response.text[:300]}",
+                status=response.status_code,
+                retryable=response.status_code in (408, 429) or response.status_code >= 500,
+            )
+        try:
+            payload = orjson.loads(response.content)
+            first = payload["choices"][0]
+            message = first["message"]
+            if not isinstance(message, dict):
+                raise TypeError("message is not an object")
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            raise ModelProviderError(
+                f"Model endpoint returned an invalid completion: {response.text[:300]!r}"
+            ) from exc
+        known = SamplingParams.model_fields
+        call = ModelCall(
+            model=self.model,
+            response_model=payload.get("model"),
+            endpoint=url,
+            api="chat.completions",
+            sampling=SamplingParams(**{k: v for k, v in body.items() if k in known}),
+            request=body,
+            response=payload,
+            choices=[_choice(c) for c in payload["choices"]],
+            prompt_token_ids=payload.get("prompt_token_ids"),
+            usage=Usage(**payload["usage"]) if isinstance(payload.get("usage"), dict) else None,
+            started_at=started,
+            latency_s=latency,
+        )
+        return call, message

@@ -1,0 +1,61 @@
+"""Serve an ASGI app on a real socket from a background thread.
+
+Used wherever envport needs a server next to the code that drives it: the demo, ``envport
+eval`` starting its local scripted model, environment servers for a run, and the tests.
+The context manager owns the thread and joins it on exit; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def serve_in_thread(
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    config: Any = None,
+    startup_timeout_s: float = 30.0,
+) -> Iterator[str]:
+    """Run ``app`` on uvicorn in a thread; yields ``http://HOST:PORT``.
+
+    ``config`` is an envport ``ServerConfig`` for environment servers (frame limits, …);
+    other apps get uvicorn's defaults.
+    """
+    import uvicorn
+
+    port = port or free_port(host)
+    if config is not None:
+        from envport.server import uvicorn_config
+
+        uv_config = uvicorn_config(app, host=host, port=port, config=config)
+    else:
+        uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    server = uvicorn.Server(uv_config)
+    thread = threading.Thread(target=server.run, name=f"envport-serve-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"server on {host}:{port} did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,280 @@
+"""Whole runs end to end: taskset -> built-in agent -> model server -> env -> rubric -> store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envport.evaluate import EvalConfig, Evaluator, pass_at_k
+from envport.harness import AgentConfig, ChatModel
+from envport.policy import create_policy_app
+from envport.serving import free_port, serve_in_thread
+from envport.tasks import Task, load
+from envport.trace import AsyncTraceStore, SQLiteTraceStore, TraceStatus
+
+ENVPORT = str(Path(sys.executable).parent / "envport")
+WIDE = {**os.environ, "COLUMNS": "220"}
+
+
+@pytest.fixture(scope="module")
+def policy_app() -> Any:
+    return create_policy_app(faults=True)
+
+
+@pytest.fixture(scope="module")
+def model_url(policy_app: Any) -> Iterator[str]:
+    with serve_in_thread(policy_app) as url:
+        yield url + "/v1"
+
+
+async def run(tasks: list[Task], url: str, db: Path, **config: Any) -> tuple[Any, list[Any]]:
+    model = ChatModel(url, "scripted")
+    try:
+        async with AsyncTraceStore(SQLiteTraceStore(db)) as store:
+            evaluator = Evaluator(model, store, EvalConfig(**config))
+            summary = await evaluator.run(tasks, run_id=config.get("run_id_", "r1"))
+            traces = await store.query(run_id=summary.run_id)
+    finally:
+        await model.aclose()
+    return summary, traces
+
+
+async def test_arithmetic_run_records_token_exact_calls(model_url: str, tmp_path: Path) -> None:
+    tasks = list(load("builtin:arithmetic"))
+    summary, traces = await run(tasks, model_url, tmp_path / "t.db", concurrency=8)
+    assert summary.rollouts == 48
+    assert summary.completed == 48
+    assert summary.failed == 0
+    assert summary.mean_reward is not None
+    assert 0.6 < summary.mean_reward < 0.95
+    for trace in traces:
+        assert trace.status is TraceStatus.COMPLETED
+        assert trace.reward in (0.0, 1.0)
+        assert trace.stop_reason == "terminated"
+        (call,) = trace.model_calls
+        choice = call.choices[0]
+        assert call.prompt_token_ids
+        assert choice.completion_token_ids
+        assert choice.completion_logprobs is not None
+        assert len(choice.completion_logprobs) == len(choice.completion_token_ids)
+        assert [m.role for m in trace.messages] == ["user", "assistant"]
+        assert trace.messages[1].parent_id == trace.messages[0].id
+        # The env's step reward and the rubric's reward are kept apart.
+        assert trace.steps[0].reward == trace.reward
+        assert {r.name for r in trace.rewards} >= {"env_reward"}
+
+
+async def test_tool_env_over_real_env_servers(model_url: str, tmp_path: Path) -> None:
+    from envport.cli_runs import env_servers
+
+    tasks = list(load("builtin:guess-number").head(3)) + list(load("builtin:sql").head(2))
+    with env_servers({"guess-number-v1", "sql-db-v1"}) as urls:
+        summary, traces = await run(
+            tasks, model_url, tmp_path / "t.db", env_urls=urls, agent=AgentConfig(max_turns=12)
+        )
+    assert summary.failed == 0, [t.errors for t in traces]
+    assert summary.mean_reward == 1.0
+    for trace in traces:
+        tool_steps = [s for s in trace.steps if s.tool_name]
+        assert tool_steps, "the agent acted through tools"
+        ids = {tc.id for m in trace.messages for tc in m.tool_calls}
+        assert all(s.tool_call_id in ids for s in tool_steps)
+        assert [m for m in trace.messages if m.role == "tool"]
+
+
+async def test_model_endpoint_down_is_a_classified_failure(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    tasks = list(load("builtin:arithmetic").head(3))
+    summary, traces = await run(tasks, url, tmp_path / "t.db")
+    assert summary.failed == 3
+    assert summary.completed == 0
+    assert summary.errors_by_kind == {"model_provider": 3}
+    assert all(t.reward is None for t in traces)  # never scored as 0
+
+
+@pytest.mark.parametrize("fault", ["garbage", "500", "cut-stream"])
+async def test_model_garbage_and_errors(
+    fault: str, policy_app: Any, model_url: str, tmp_path: Path
+) -> None:
+    tasks = list(load("builtin:arithmetic").head(4))
+    policy_app.state.faults.push(fault, times=1)
+    summary, traces = await run(tasks, model_url, tmp_path / "t.db", concurrency=1)
+    assert summary.failed == 1
+    assert summary.completed == 3
+    (bad,) = [t for t in traces if t.status is TraceStatus.FAILED]
+    assert bad.errors[0].kind.value == "model_provider"
+    assert bad.errors[0].where == "agent"
+
+
+async def test_unknown_env_and_crashing_env_do_not_stop_the_batch(
+    model_url: str, tmp_path: Path
+) -> None:
+    good = list(load("builtin:arithmetic").head(2))
+    unknown = Task(id="unknown-env", prompt="hi", env_id="no-such-env-v1")
+    crash = Task(id="crash", prompt="crash", env_id="tests.support.faulty_envs:FaultyEnv")
+    summary, traces = await run([*good, unknown, crash], model_url, tmp_path / "t.db")
+    assert summary.completed == 2
+    assert summary.failed == 2
+    by_task = {t.task_id: t for t in traces}
+    assert by_task["unknown-env"].errors[0].kind.value == "environment"
+    assert "no-such-env-v1" in by_task["unknown-env"].errors[0].message
+    crashed = by_task["crash"].errors[0]
+    assert crashed.kind.value == "environment"
+    assert "boom" in crashed.message
+    assert summary.errors_by_kind == {"environment": 2}
+
+
+async def test_rubric_that_raises_is_recorded(model_url: str, tmp_path: Path) -> None:
+    task = Task(
+        id="bad-rubric",
+        prompt="What is 1 + 1?",
+        env_id="arithmetic-v1",
+        seed=0,
+        rubric=[{"type": "no_such_rubric"}],
+    )
+    summary, traces = await run([task], model_url, tmp_path / "t.db")
+    assert summary.failed == 1
+    (trace,) = traces
+    assert trace.errors[0].kind.value == "rubric"
+    assert trace.reward is None
+
+
+async def test_resume_finishes_without_redoing(model_url: str, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    tasks = list(load("builtin:arithmetic").head(6))
+    await run(tasks[:4], model_url, db, rollouts=2)  # "interrupted" after 4 tasks
+    # A rollout that was in flight when the controller died:
+    store = SQLiteTraceStore(db)
+    from envport.evaluate import rollout_id
+    from envport.trace import Trace
+
+    stale = Trace(
+        run_id="r1",
+        task_id=tasks[4].id,
+        rollout_id=rollout_id("r1", tasks[4], 0),
+        status=TraceStatus.RUNNING,
+    )
+    store.put(stale)
+    before = {t.trace_id for t in store.query(run_id="r1")}
+    store.close()
+    model = ChatModel(model_url, "scripted")
+    async with AsyncTraceStore(SQLiteTraceStore(db)) as astore:
+        summary = await Evaluator(model, astore, EvalConfig(rollouts=2)).run(
+            tasks, run_id="r1", resume=True
+        )
+        traces = await astore.query(run_id="r1")
+    await model.aclose()
+    assert summary.skipped == 8
+    assert summary.rollouts == 12
+    assert len({t.rollout_id for t in traces}) == 12  # none twice
+    assert stale.trace_id not in {t.trace_id for t in traces}
+    assert before - {stale.trace_id} <= {t.trace_id for t in traces}  # kept, not redone
+
+
+def test_pass_at_k() -> None:
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 2) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+
+
+def test_cli_eval_and_traces(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    done = subprocess.run(
+        [
+            ENVPORT,
+            "eval",
+            "builtin:arithmetic",
+            "--limit",
+            "5",
+            "-k",
+            "2",
+            "--store",
+            str(db),
+            "--run-id",
+            "cli",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["rollouts"] == 10
+    assert summary["completed"] == 10
+    assert set(summary["pass_at_k"]) == {"1", "2"}
+    listed = subprocess.run(
+        [ENVPORT, "traces", "list", "--store", str(db), "--run", "cli"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=WIDE,
+    )
+    assert "arithmetic-000" in listed.stdout
+    trace_id = SQLiteTraceStore(db).query(run_id="cli", limit=1)[0].trace_id
+    shown = subprocess.run(
+        [ENVPORT, "traces", "show", trace_id, "--store", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=WIDE,
+    )
+    assert "completion ids [" in shown.stdout
+    assert "logprobs [" in shown.stdout
+    assert "What is" in shown.stdout
+    out = tmp_path / "export.jsonl"
+    subprocess.run(
+        [ENVPORT, "traces", "export", str(out), "--store", str(db)],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
+    assert len(out.read_text().splitlines()) == 10
+    bad = subprocess.run(
+        [ENVPORT, "eval", str(tmp_path / "missing.jsonl"), "--store", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "missing.jsonl" in bad.stderr
+
+
+def test_cli_eval_harbor_task_dir(tmp_path: Path) -> None:
+    """A Harbor task directory runs through `envport eval`, scored by its tests/test.sh."""
+    task = tmp_path / "make-hello"
+    (task / "tests").mkdir(parents=True)
+    (task / "environment").mkdir()
+    # The scripted stand-in echoes its prompt, so this instruction is also the solution.
+    (task / "instruction.md").write_text("echo hello > /workspace/hello.txt\n")
+    (task / "task.toml").write_text('version = "1.0"\n[verifier]\ntimeout_sec = 30.0\n')
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\n"
+        "if grep -q hello /workspace/hello.txt; then echo 1; else echo 0; fi"
+        " > /logs/verifier/reward.txt\n"
+    )
+    (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
+    db = tmp_path / "h.db"
+    done = subprocess.run(
+        [ENVPORT, "eval", str(task), "--store", str(db), "--max-turns", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["completed"] == 1, SQLiteTraceStore(db).query()[0].errors
+    assert summary["mean_reward"] == 1.0
