@@ -145,10 +145,12 @@ class Evaluator:
                 trace.errors.append(TraceError.from_exception(exc, kind=kind, where=stage))
         trace.timings["total"] = time.perf_counter() - t0
         trace.finished_at = datetime.now(UTC)
-        if trace.errors:
+        scored = trace.reward is not None or not task.rubric
+        fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
+        if fatal or not scored:
             trace.status = TraceStatus.FAILED
             trace.reward = None  # a failure is never scored
-        else:
+        else:  # a failed weight-0 metric is recorded but does not fail the run
             trace.status = TraceStatus.COMPLETED
         await self.store.put(trace)
         return trace
