@@ -1,0 +1,151 @@
+"""The environment contract, the registry and the public surface."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import envport
+from envport import Action, Env, Observation, StepResult, TimeLimit, tool
+from envport.errors import (
+    ActionValidationError,
+    EnvClosedError,
+    EnvExecutionError,
+    EnvNotResetError,
+    UnknownEnvError,
+)
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(envport.__all__) == sorted(
+        [
+            "Action", "Env", "EnvMetadata", "EnvStatus", "EnvportError", "ErrorCode",
+            "Observation", "State", "StepResult", "TimeLimit", "ToolSpec", "Wrapper",
+            "__version__", "make", "register", "registered", "tool",
+        ]
+    )  # fmt: skip
+    for name in envport.__all__:
+        assert hasattr(envport, name)
+
+
+class Count(Action):
+    by: int = 1
+
+
+class Total(Observation):
+    total: int
+
+
+class SyncCounter(Env[Count, Total]):
+    """A synchronous environment: plain def hooks."""
+
+    action_type = Count
+    observation_type = Total
+    reward_range = (0.0, 1.0)
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.total = 0
+        self.fail_at = fail_at
+        self.threads: set[str] = set()
+
+    def on_reset(self, seed: int | None, **options: Any) -> StepResult[Total]:
+        self.total = self.rng.randint(0, 100)
+        self.threads.add(threading.current_thread().name)
+        return StepResult(observation=Total(total=self.total))
+
+    def on_step(self, action: Count) -> StepResult[Total]:
+        self.threads.add(threading.current_thread().name)
+        if self.fail_at is not None and self.step_count >= self.fail_at:
+            raise ValueError("counter overflow")
+        self.total += action.by
+        return StepResult(observation=Total(total=self.total), reward=0.5)
+
+    @tool
+    def add(self, amount: int, note: str = "") -> int:
+        """Add to the total.
+
+        Args:
+            amount: How much to add.
+            note: Free text.
+        """
+        self.total += amount
+        return self.total
+
+
+async def test_sync_env_runs_on_its_own_thread() -> None:
+    env = SyncCounter()
+    first = await env.reset(seed=3)
+    again = await SyncCounter().reset(seed=3)
+    assert first.observation == again.observation
+    await env.step({"by": 2})
+    await env.step(Count(by=3))
+    state = await env.state()
+    assert state.step_count == 2
+    assert state.episode_id
+    assert env.threads
+    assert threading.main_thread().name not in env.threads
+    assert len(env.threads) == 1  # one worker thread per instance
+    await env.close()
+    await env.close()  # twice is safe
+    with pytest.raises(EnvClosedError):
+        await env.step({"by": 1})
+
+
+async def test_lifecycle_errors_are_named() -> None:
+    env = SyncCounter(fail_at=2)
+    with pytest.raises(EnvNotResetError, match="reset"):
+        await env.step({"by": 1})
+    await env.reset()
+    with pytest.raises(ActionValidationError) as bad:
+        await env.step({"by": "many"})
+    assert bad.value.details["errors"][0]["field"] == "by"
+    await env.step({"by": 1})
+    with pytest.raises(EnvExecutionError, match="counter overflow"):
+        await env.step({"by": 1})
+    await env.close()
+
+
+async def test_tools_from_type_hints_and_docstrings() -> None:
+    env = SyncCounter()
+    (spec,) = env.tool_specs()
+    assert spec.name == "add"
+    assert spec.description == "Add to the total."
+    props = spec.input_schema["properties"]
+    assert props["amount"] == {
+        "description": "How much to add.",
+        "title": "Amount",
+        "type": "integer",
+    }
+    assert spec.input_schema["required"] == ["amount"]
+    await env.reset(seed=0)
+    start = env.total
+    assert await env.call_tool("add", {"amount": 5}) == start + 5
+    result = await env.step({"type": "call_tool", "tool_name": "add", "arguments": {"amount": "x"}})
+    assert result.observation.error is not None
+    assert result.observation.error.error_type == "invalid_args"
+
+
+async def test_time_limit_truncates() -> None:
+    env = TimeLimit(SyncCounter(), max_steps=2)
+    await env.reset()
+    assert not (await env.step({"by": 1})).truncated
+    assert (await env.step({"by": 1})).truncated
+
+
+def test_registry_versions_paths_and_suggestions() -> None:
+    envport.register("counter-v1", SyncCounter)
+    envport.register("counter-v2", SyncCounter, fail_at=5)
+    assert isinstance(envport.make("counter"), SyncCounter)
+    assert envport.make("counter").fail_at == 5  # type: ignore[attr-defined]
+    assert envport.make("counter-v1").fail_at is None  # type: ignore[attr-defined]
+    assert isinstance(envport.make("tests.test_env:SyncCounter"), SyncCounter)
+    with pytest.raises(UnknownEnvError) as unknown:
+        envport.make("countr-v1")
+    assert unknown.value.suggestion == "counter-v1"
+    assert "echo-v1" in str(unknown.value)
+    with pytest.raises(UnknownEnvError):
+        envport.make("tests.test_env:Nope")
+    assert {"echo-v1", "arithmetic-v1", "sql-db-v1"} <= set(envport.registered())
