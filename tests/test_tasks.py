@@ -455,17 +455,50 @@ def test_harbor_task_dir_maps_onto_a_task(tmp_path: Path) -> None:
     assert rubric.type == "test_command"
     assert rubric.params["command"] == "bash /tests/test.sh"
     assert rubric.params["reward_file"] == "/logs/verifier/reward.txt"
-    assert task.resolve(rubric.params["tests_dir"]) == task_dir.resolve() / "tests"
+    assert "tests_dir" not in rubric.params  # shell-v1 mounts tests/ at /tests itself
     assert list(task.files) == ["data/in.csv"]  # the Dockerfile is not a workspace file
     assert task.resolve(task.files["data/in.csv"].source or "").read_text() == "a,1\nb,2\n"
-    assert task.env_options["dockerfile"] == "environment/Dockerfile"
+    # It runs in shell-v1, in the Dockerfile's WORKDIR; the Docker facts are metadata.
+    assert task.env_id == "shell-v1"
+    assert task.env_options == {"task_dir": str(task_dir.resolve()), "workdir": "/app"}
+    harbor = task.metadata["harbor"]
+    assert (harbor["dockerfile"], harbor["workdir"]) == ("environment/Dockerfile", "/app")
+    assert harbor["docker_image"] is None
     assert task.metadata["difficulty"] == "medium"
     assert task.metadata["tags"] == ["csv", "python"]
-    assert task.metadata["harbor"]["solution"] == "solution/solve.sh"
+    assert harbor["solution"] == "solution/solve.sh"
 
+    # Moved, the task differs only in where its directory is.
     moved = tmp_path / "elsewhere" / "sum-csv"
     shutil.copytree(task_dir, moved)
-    assert load_harbor(moved).get("sum-csv").content_hash == task.content_hash
+    moved_task = load_harbor(moved).get("sum-csv")
+    assert moved_task.env_options["task_dir"] == str(moved.resolve())
+    same_place = moved_task.model_copy(update={"env_options": task.env_options})
+    assert same_place.content_hash == task.content_hash
+
+
+def test_harbor_task_may_name_another_environment(tmp_path: Path) -> None:
+    toml = '[metadata]\nenvport_env = "my-sandbox-v1"\n[environment]\ndocker_image = "img:1"\n'
+    task_dir = _harbor_task(tmp_path, "elsewhere", toml=toml)
+    (task_dir / "environment" / "Dockerfile").write_text("FROM x\nWORKDIR /usr/src/app\n")
+    (task,) = list(load_harbor(task_dir))
+    assert task.env_id == "my-sandbox-v1"
+    assert task.env_options == {}
+    (rubric,) = task.rubric
+    assert task.resolve(rubric.params["tests_dir"]) == task_dir.resolve() / "tests"
+    assert rubric.params["tests_mount"] == "/tests"
+    assert task.metadata["harbor"]["docker_image"] == "img:1"
+    assert task.metadata["harbor"]["workdir"] == "/usr/src/app"
+
+    # A WORKDIR the sandbox itself provides is not used as shell-v1's workdir.
+    (task_dir / "task.toml").write_text('version = "1.0"\n')
+    (task,) = list(load_harbor(task_dir))
+    assert task.env_options == {"task_dir": str(task_dir.resolve())}
+
+    (task_dir / "task.toml").write_text("[metadata]\nenvport_env = 3\n")
+    with pytest.raises(TaskFileError, match="registered environment id") as info:
+        list(load_harbor(task_dir))
+    assert (info.value.line, info.value.field) == (2, "metadata.envport_env")
 
 
 def test_harbor_dir_of_tasks_is_lazy_and_sorted(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@
 ``guess-word-v1``   guess a five-letter word with Wordle letter feedback
 ``arithmetic-v1``   one arithmetic question, verifiable reward
 ``sql-db-v1``       answer a question about a SQLite database with SQL tools
+``shell-v1``        a sandboxed bash workspace with Harbor's paths (Harbor tasks run here)
 ==================  ==============================================================
 
 Entry points are import paths, so importing this package stays cheap: an environment's
@@ -38,6 +39,11 @@ def register_builtins() -> None:
         "sql-db-v1",
         "envport.envs.sqldb:SqlDbEnv",
         description="Answer a question about a SQLite database using read-only SQL tools.",
+    )
+    register(
+        "shell-v1",
+        "envport.envs.shell:ShellEnv",
+        description="A bash workspace in a bubblewrap sandbox, laid out as a Harbor task's.",
     )
 
 

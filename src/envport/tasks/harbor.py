@@ -14,12 +14,20 @@ name; ``prompt`` is ``instruction.md``; ``[environment]`` gives ``resources`` (c
 memory, storage, gpus) and ``build_timeout_sec`` the ``env_start`` timeout;
 ``[agent].timeout_sec`` and ``[verifier].timeout_sec`` the ``agent`` and ``scoring``
 timeouts; the verifier becomes one ``test_command`` rubric component that the rubric
-layer runs in the environment (``tests/`` uploaded to ``/tests``, then
-``bash /tests/test.sh``, then the reward read from ``reward.txt`` or ``reward.json``).
-Files under ``environment/`` other than the Docker files become workspace ``files`` (by
-reference); the build context is recorded in ``env_options``. ``env_id`` stays ``None``:
-a Harbor task names an image, not a registered environment. ``[metadata]`` becomes
-``metadata``, with Harbor-specific facts under ``metadata["harbor"]``.
+layer runs in the environment (``bash /tests/test.sh``, then the reward read from
+``reward.txt`` or ``reward.json``). Files under ``environment/`` other than the Docker
+files become workspace ``files`` (by reference). ``[metadata]`` becomes ``metadata``,
+with Harbor-specific facts (the Docker image, Dockerfile and its ``WORKDIR``) under
+``metadata["harbor"]``.
+
+The task runs in ``shell-v1`` (:mod:`envport.envs.shell`), or in the environment that
+``[metadata] envport_env`` names. For ``shell-v1`` the ``env_options`` are
+``{"task_dir": <absolute path>}``, plus ``workdir`` when the Dockerfile's last
+``WORKDIR`` is a path the sandbox can use (``/app``, say): the environment copies
+``environment/`` into the workspace and mounts ``tests/`` read-only at ``/tests`` itself,
+so its rubric uploads nothing. Any other environment gets no options and a rubric that
+uploads ``tests/`` to ``/tests`` before running them. **Trade-off:** the absolute
+``task_dir`` is part of the content hash, so a moved task directory hashes differently.
 
 ``task.toml`` is read tolerantly: unknown keys and sections are ignored, and both the
 current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are accepted.
@@ -28,6 +36,7 @@ current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are a
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import tomllib
 from pathlib import Path
@@ -42,6 +51,13 @@ from envport.tasks.task import RubricSpec, Task, TaskFile
 REWARD_FILE = "/logs/verifier/reward.txt"
 REWARD_JSON = "/logs/verifier/reward.json"
 TESTS_MOUNT = "/tests"
+#: The environment Harbor tasks run in unless ``[metadata] envport_env`` names another.
+SHELL_ENV = "shell-v1"
+#: Paths ``shell-v1`` provides itself, so a ``WORKDIR`` there cannot be its workdir.
+_SANDBOX_PATHS = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev",
+    "/tmp", "/logs", TESTS_MOUNT,
+)  # fmt: skip
 
 _DOCKER_FILES = frozenset(
     {"Dockerfile", "docker-compose.yaml", "docker-compose.yml", ".dockerignore"}
@@ -128,22 +144,44 @@ def read_harbor_task(task_dir: str | Path) -> Task:
         )
     env = config.environment
     env_dir = task_dir / "environment"
-    env_options: dict[str, Any] = {}
-    if env.docker_image:
-        env_options["docker_image"] = env.docker_image
-    if (env_dir / "Dockerfile").is_file():
-        env_options["build_context"] = "environment"
-        env_options["dockerfile"] = "environment/Dockerfile"
+    dockerfile = env_dir / "Dockerfile"
     solution = task_dir / "solution" / "solve.sh"
+    workdir = _dockerfile_workdir(dockerfile) if dockerfile.is_file() else None
     harbor_meta: dict[str, Any] = {
         "version": None if config.version is None else str(config.version),
         "solution": "solution/solve.sh" if solution.is_file() else None,
         "environment_dir": "environment" if env_dir.is_dir() else None,
+        "docker_image": env.docker_image,
+        "dockerfile": "environment/Dockerfile" if dockerfile.is_file() else None,
+        "workdir": workdir,
     }
+    env_id = config.metadata.get("envport_env", SHELL_ENV)
+    if not isinstance(env_id, str) or not env_id:
+        raise TaskFileError(
+            task_dir / "task.toml",
+            _key_line(
+                (task_dir / "task.toml").read_text(encoding="utf-8"), "metadata", "envport_env"
+            ),
+            "metadata.envport_env",
+            f"must be a registered environment id, got {env_id!r}",
+        )
+    params: dict[str, Any] = {
+        "command": f"bash {TESTS_MOUNT}/test.sh",
+        "reward_file": REWARD_FILE,
+        "reward_json": REWARD_JSON,
+    }
+    env_options: dict[str, Any] = {}
+    if env_id == SHELL_ENV:
+        env_options["task_dir"] = str(task_dir.resolve())
+        if workdir is not None and _sandbox_workdir(workdir):
+            env_options["workdir"] = workdir
+    else:
+        params.update(tests_dir="tests", tests_mount=TESTS_MOUNT)
     fields: dict[str, Any] = {
         "id": task_dir.name,
         "prompt": prompt,
         "files": _environment_files(env_dir),
+        "env_id": env_id,
         "env_options": env_options,
         "resources": {
             "cpus": env.cpus,
@@ -156,18 +194,7 @@ def read_harbor_task(task_dir: str | Path) -> Task:
                 "scoring": config.verifier.timeout_sec,
             },
         },
-        "rubric": (
-            RubricSpec(
-                type="test_command",
-                params={
-                    "command": f"bash {TESTS_MOUNT}/test.sh",
-                    "tests_dir": "tests",
-                    "tests_mount": TESTS_MOUNT,
-                    "reward_file": REWARD_FILE,
-                    "reward_json": REWARD_JSON,
-                },
-            ),
-        ),
+        "rubric": (RubricSpec(type="test_command", params=params),),
         "metadata": {**config.metadata, "harbor": harbor_meta},
         "source": str(task_dir),
         "root": str(task_dir.resolve()),
@@ -245,6 +272,26 @@ def _environment_files(env_dir: Path) -> dict[str, TaskFile]:
             source=f"environment/{rel.as_posix()}", executable=os.access(file, os.X_OK)
         )
     return files
+
+
+_WORKDIR = re.compile(r"^\s*WORKDIR\s+(\S+)\s*$", re.IGNORECASE | re.MULTILINE)
+
+
+def _dockerfile_workdir(dockerfile: Path) -> str | None:
+    """The last absolute ``WORKDIR`` of a Dockerfile (no variables), else ``None``."""
+    try:
+        text = dockerfile.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found: list[str] = [str(w).strip("\"'") for w in _WORKDIR.findall(text)]
+    last = found[-1] if found else None
+    if last is None or not last.startswith("/") or "$" in last:
+        return None
+    return posixpath.normpath(last)
+
+
+def _sandbox_workdir(path: str) -> bool:
+    return path != "/" and not any(path == p or path.startswith(p + "/") for p in _SANDBOX_PATHS)
 
 
 _HEADER = re.compile(r"^\s*\[\s*([^\]\s]+)\s*\]")
