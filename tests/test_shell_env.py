@@ -23,6 +23,7 @@ from envport.client.client import EnvClient
 from envport.envs import shell
 from envport.envs.shell import MAX_OUTPUT_BYTES, BwrapProbe, ShellEnv
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
+from envport.harness.agent import reset_options
 from envport.registry import make, registered
 from envport.rubrics import ClientHandle, ScoringContext, from_specs
 from envport.tasks.harbor import read_harbor_task
@@ -360,9 +361,9 @@ async def test_checker_passes() -> None:
 async def test_harbor_task_dir_runs_with_harbor_paths(tmp_path: Path) -> None:
     task = read_harbor_task(harbor_task(tmp_path))
     assert task.env_id == "shell-v1"
-    assert task.env_options == {"task_dir": str(tmp_path / "sum-csv"), "workdir": "/app"}
+    assert task.env_options == {"task_dir": ".", "workdir": "/app"}
     async with ShellEnv() as env:
-        await env.reset(**task.env_options)
+        await env.reset(**reset_options(task))
         out = await run(env, "pwd; ls; ls /tests; test -x /tests/test.sh || echo not-x")
         assert out["stdout"] == "/app\ndata\ntest.sh\ntest_outputs.py\nnot-x\n"
         assert (await run(env, "touch /tests/x"))["exit_code"] != 0  # read-only
@@ -383,7 +384,7 @@ async def test_harbor_rubric_scores_through_an_env_client(tmp_path: Path) -> Non
 
     async def score(solve: str | None) -> float | None:
         async with EnvClient.connect(task.env_id or "") as client:
-            await client.reset(**task.env_options)
+            await client.reset(**reset_options(task))
             if solve is not None:
                 await client.step({"command": solve})
             result = await rubric.score(ScoringContext(task=task, env=ClientHandle(client)))

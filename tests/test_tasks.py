@@ -460,7 +460,8 @@ def test_harbor_task_dir_maps_onto_a_task(tmp_path: Path) -> None:
     assert task.resolve(task.files["data/in.csv"].source or "").read_text() == "a,1\nb,2\n"
     # It runs in shell-v1, in the Dockerfile's WORKDIR; the Docker facts are metadata.
     assert task.env_id == "shell-v1"
-    assert task.env_options == {"task_dir": str(task_dir.resolve()), "workdir": "/app"}
+    assert task.env_options == {"task_dir": ".", "workdir": "/app"}
+    assert task.resolve(task.env_options["task_dir"]) == task_dir.resolve()
     harbor = task.metadata["harbor"]
     assert (harbor["dockerfile"], harbor["workdir"]) == ("environment/Dockerfile", "/app")
     assert harbor["docker_image"] is None
@@ -468,13 +469,12 @@ def test_harbor_task_dir_maps_onto_a_task(tmp_path: Path) -> None:
     assert task.metadata["tags"] == ["csv", "python"]
     assert harbor["solution"] == "solution/solve.sh"
 
-    # Moved, the task differs only in where its directory is.
+    # Moved, the task keeps its hash; only its root differs.
     moved = tmp_path / "elsewhere" / "sum-csv"
     shutil.copytree(task_dir, moved)
     moved_task = load_harbor(moved).get("sum-csv")
-    assert moved_task.env_options["task_dir"] == str(moved.resolve())
-    same_place = moved_task.model_copy(update={"env_options": task.env_options})
-    assert same_place.content_hash == task.content_hash
+    assert moved_task.resolve(moved_task.env_options["task_dir"]) == moved.resolve()
+    assert moved_task.content_hash == task.content_hash
 
 
 def test_harbor_task_may_name_another_environment(tmp_path: Path) -> None:
@@ -493,7 +493,7 @@ def test_harbor_task_may_name_another_environment(tmp_path: Path) -> None:
     # A WORKDIR the sandbox itself provides is not used as shell-v1's workdir.
     (task_dir / "task.toml").write_text('version = "1.0"\n')
     (task,) = list(load_harbor(task_dir))
-    assert task.env_options == {"task_dir": str(task_dir.resolve())}
+    assert task.env_options == {"task_dir": "."}
 
     (task_dir / "task.toml").write_text("[metadata]\nenvport_env = 3\n")
     with pytest.raises(TaskFileError, match="registered environment id") as info:

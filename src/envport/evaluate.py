@@ -107,9 +107,15 @@ class Evaluator:
         self.taskset_name = taskset_name
         self.agent = ToolCallingAgent(model, self.config.agent)
 
-    def _client(self, env_id: str) -> EnvClient:
-        url = self.config.env_urls.get(env_id)
-        return EnvClient.connect(url) if url else EnvClient.connect(env_id)
+    def _client(self, task: Task) -> EnvClient:
+        assert task.env_id is not None
+        # One environment call may run a whole verifier (Harbor's test.sh): allow the
+        # longest stage deadline the task declares.
+        t = task.resources.timeouts
+        timeout = max(60.0, *(x for x in (t.agent, t.scoring, t.env_start) if x))
+        url = self.config.env_urls.get(task.env_id)
+        target = url or task.env_id
+        return EnvClient.connect(target, timeout_s=timeout)
 
     async def run_one(self, task: Task, index: int, run_id: str) -> Trace:
         trace = Trace(
@@ -129,12 +135,14 @@ class Evaluator:
         try:
             if task.env_id is None:
                 raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
-            timeout = task.resources.timeouts.agent or self.config.agent_timeout_s
-            async with self._client(task.env_id) as env:
+            timeouts = task.resources.timeouts
+            async with self._client(task) as env:
                 stage = "agent"
-                await asyncio.wait_for(self.agent.run(task, env, trace), timeout)
+                agent_s = timeouts.agent or self.config.agent_timeout_s
+                await asyncio.wait_for(self.agent.run(task, env, trace), agent_s)
                 stage = "scoring"
-                await _score(task, trace, env)
+                scoring_s = timeouts.scoring or self.config.agent_timeout_s
+                await asyncio.wait_for(_score(task, trace, env), scoring_s)
         except Exception as exc:
             kind = classify(exc, stage)
             if isinstance(exc, TimeoutError):

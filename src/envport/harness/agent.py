@@ -40,6 +40,14 @@ def observation_text(observation: dict[str, Any]) -> str:
     return json.dumps(shown, ensure_ascii=False, default=str)
 
 
+def reset_options(task: Task) -> dict[str, Any]:
+    """The task's env options, with a relative ``task_dir`` resolved against its root."""
+    options = dict(task.env_options)
+    if isinstance(options.get("task_dir"), str):
+        options["task_dir"] = str(task.resolve(options["task_dir"]))
+    return options
+
+
 def text_action_field(action_schema: dict[str, Any]) -> str | None:
     """The one field a free-text reply can fill, if the schema has exactly one."""
     required = [f for f in action_schema.get("required", []) if f != "metadata"]
@@ -94,7 +102,7 @@ class ToolCallingAgent:
     async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
         trace.harness = self.name
         t0 = time.perf_counter()
-        first = await env.reset(seed=task.seed, **task.env_options)
+        first = await env.reset(seed=task.seed, **reset_options(task))
         trace.timings["env_reset"] = time.perf_counter() - t0
         schema = await env.schema()
         tools = schema.get("tools", []) if self.config.tool_mode != "text" else []

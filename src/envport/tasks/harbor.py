@@ -22,12 +22,12 @@ with Harbor-specific facts (the Docker image, Dockerfile and its ``WORKDIR``) un
 
 The task runs in ``shell-v1`` (:mod:`envport.envs.shell`), or in the environment that
 ``[metadata] envport_env`` names. For ``shell-v1`` the ``env_options`` are
-``{"task_dir": <absolute path>}``, plus ``workdir`` when the Dockerfile's last
+``{"task_dir": "."}`` (relative to ``Task.root``, resolved by the harness before reset, so
+a moved task directory keeps its content hash), plus ``workdir`` when the Dockerfile's last
 ``WORKDIR`` is a path the sandbox can use (``/app``, say): the environment copies
 ``environment/`` into the workspace and mounts ``tests/`` read-only at ``/tests`` itself,
 so its rubric uploads nothing. Any other environment gets no options and a rubric that
-uploads ``tests/`` to ``/tests`` before running them. **Trade-off:** the absolute
-``task_dir`` is part of the content hash, so a moved task directory hashes differently.
+uploads ``tests/`` to ``/tests`` before running them.
 
 ``task.toml`` is read tolerantly: unknown keys and sections are ignored, and both the
 current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are accepted.
@@ -172,7 +172,7 @@ def read_harbor_task(task_dir: str | Path) -> Task:
     }
     env_options: dict[str, Any] = {}
     if env_id == SHELL_ENV:
-        env_options["task_dir"] = str(task_dir.resolve())
+        env_options["task_dir"] = "."  # relative to Task.root; see module docstring
         if workdir is not None and _sandbox_workdir(workdir):
             env_options["workdir"] = workdir
     else:
