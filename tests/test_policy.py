@@ -557,3 +557,74 @@ def test_module_runs_a_server(tmp_path: Path) -> None:
     ):
         assert ask(c, "What is 1 + 1?").model == "envport-scripted"
     assert "not a model" in (tmp_path / "policy.log").read_text()
+
+
+BASH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": "Execute a bash command",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    },
+}
+
+
+def test_bash_tool_creates_the_requested_file_then_submits(client: openai.OpenAI) -> None:
+    messages: list[Any] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {
+            "role": "user",
+            "content": "Please solve this issue: Create a file hello.txt "
+            "containing 'hello world'\n\n### Create a new file:\n\ncat <<'EOF' > newfile.py",
+        },
+    ]
+    first = client.chat.completions.create(
+        model="envport-scripted", messages=messages, tools=[BASH_TOOL]
+    )
+    [call] = first.choices[0].message.tool_calls or []
+    assert call.function.name == "bash"
+    assert json.loads(call.function.arguments) == {"command": "echo 'hello world' > hello.txt"}
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"returncode": 0, "output": ""}'},
+    ]
+    second = client.chat.completions.create(
+        model="envport-scripted", messages=messages, tools=[BASH_TOOL]
+    )
+    [submit] = second.choices[0].message.tool_calls or []
+    assert json.loads(submit.function.arguments) == {
+        "command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+    }
+    assert second.choices[0].finish_reason == "tool_calls"
+
+
+def test_file_task_phrasings() -> None:
+    from envport.policy.scripted import find_file_task
+
+    def found(text: str) -> tuple[str, str] | None:
+        task = find_file_task([{"role": "user", "content": text}])
+        return None if task is None else (task.path, task.content)
+
+    assert found("Create a file hello.txt containing hello world") == ("hello.txt", "hello world")
+    assert found('create the file `out/a.md` with content "x y".') == ("out/a.md", "x y")
+    assert found("Create a new file named notes.txt with the text: it's done") == (
+        "notes.txt",
+        "it's done",
+    )
+    assert found("Create a file ../escape.txt containing x") is None  # stays in the workdir
+    assert found("Create a file /etc/passwd containing x") is None
+    assert found("### Create a new file:\n\ncat <<'EOF' > newfile.py") is None
+
+
+def test_bash_tool_without_a_file_task_falls_back_to_echo(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="envport-scripted",
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        tools=[BASH_TOOL],
+    )
+    assert reply.choices[0].message.content == "Tell me a story."
+    assert not reply.choices[0].message.tool_calls

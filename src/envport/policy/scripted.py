@@ -11,6 +11,10 @@ conversation and plays the built-in environments by rule:
 - with the sql env's tools it calls ``list_tables``, then ``describe_table`` for each
   table (parallel calls), then ``run_query`` with SQL for the question, then
   ``submit_answer`` with the first cell;
+- with a ``bash`` tool (a coding agent such as mini-swe-agent) and a task asking to
+  "create a file NAME containing TEXT", it runs ``echo TEXT > NAME``, then on the next
+  turn ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (mini-swe-agent's way to finish:
+  a command whose first output line is that marker and which exits 0);
 - anything else is echoed back.
 
 Token ids come from :class:`~envport.policy.tokenizer.ByteTokenizer` over the exact text
@@ -24,6 +28,7 @@ import hashlib
 import json
 import math
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -305,6 +310,52 @@ def _table_names(result_text: str | None) -> list[str]:
     return re.findall(r"[A-Za-z_][A-Za-z0-9_]*", result_text or "")
 
 
+# --- bash (coding agents) ----------------------------------------------------------------------
+
+#: The command that ends a mini-swe-agent run: its first output line is this marker.
+SUBMIT_COMMAND = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+_CREATE_FILE_RE = re.compile(
+    r"\bcreate\s+(?:a\s+|the\s+)?(?:new\s+)?file\s+(?:named\s+|called\s+)?"
+    r"[`'\"]?(?P<path>\w[\w./-]*?)[`'\"]?\s+"
+    r"(?:containing|with\s+(?:the\s+)?(?:content|contents|text))\s*:?\s*"
+    r"(?:'(?P<single>[^'\n]*)'|\"(?P<double>[^\"\n]*)\"|(?P<bare>[^\n]*?))\.?\s*(?:$|\n)",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """A "create a file NAME containing TEXT" request found in a user message."""
+
+    message_index: int
+    path: str
+    content: str
+
+    @property
+    def command(self) -> str:
+        return f"echo {shlex.quote(self.content)} > {shlex.quote(self.path)}"
+
+
+def find_file_task(messages: Sequence[Message]) -> FileTask | None:
+    """The latest user message asking to create a file with given content, if any.
+
+    Paths that leave the working directory (absolute, or with ``..``) are not matched.
+    """
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") != "user":
+            continue
+        match = _CREATE_FILE_RE.search(content_text(messages[index].get("content")))
+        if match is None:
+            continue
+        path = match.group("path")
+        if path.startswith("/") or ".." in path.split("/"):
+            continue
+        text = next(g for g in match.group("single", "double", "bare") if g is not None)
+        return FileTask(index, path, text.strip())
+    return None
+
+
 # --- the policy ----------------------------------------------------------------------------------
 
 
@@ -403,6 +454,9 @@ class ScriptedPolicy:
             return self._guess_turn(messages, guess_param)
         if "run_query" in tools:
             return self._sql_turn(messages, start, user_text, tools)
+        file_task = find_file_task(messages) if "bash" in tools else None
+        if file_task is not None:
+            return self._bash_turn(messages, file_task, tools["bash"])
         found = find_arithmetic(user_text)
         if found is not None:
             answer = self._arithmetic_answer(*found, sampling)
@@ -472,6 +526,23 @@ class ScriptedPolicy:
             return _Turn(None, (("submit_answer", {"answer": answer}),))
         submitted = last.arguments.get("answer", _first_cell(_json_or_none(last.result)))
         return _Turn(f"Answer: {submitted}")
+
+    def _bash_turn(
+        self, messages: Sequence[Message], task: FileTask, schema: Mapping[str, Any]
+    ) -> _Turn:
+        param = _first_param(schema, of_type="string") or "command"
+        commands = [
+            c.arguments.get(param)
+            for c in _calls_since(messages, task.message_index)
+            if c.name == "bash"
+        ]
+        if not commands:
+            return _Turn(f"I will create {task.path}.", (("bash", {param: task.command}),))
+        if commands[-1] != SUBMIT_COMMAND:
+            return _Turn(
+                f"{task.path} is written; submitting.", (("bash", {param: SUBMIT_COMMAND}),)
+            )
+        return _Turn(f"Created {task.path}.")
 
     # --- tokens ---------------------------------------------------------------------------------
 
