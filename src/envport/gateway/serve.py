@@ -1,0 +1,114 @@
+"""Run the gateway as a server: :func:`serve_gateway` (what ``envport gateway`` calls).
+
+The orchestrator token comes from ``orchestrator_token``, else the
+``ENVPORT_GATEWAY_TOKEN`` environment variable, else a fresh one printed to stderr once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from envport.gateway.app import Gateway, create_gateway_app
+from envport.gateway.capture import GatewayPolicy
+from envport.gateway.upstream import RetryPolicy
+from envport.trace.store import SQLiteTraceStore
+
+TOKEN_ENV = "ENVPORT_GATEWAY_TOKEN"
+
+
+def build_gateway(
+    upstreams: Sequence[str],
+    *,
+    store: str | Path | None = None,
+    orchestrator_token: str | None = None,
+    public_url: str | None = None,
+    request_token_ids: bool = False,
+    max_attempts: int = 3,
+    deadline_s: float = 600.0,
+    upstream_api_key: str | None = None,
+) -> Gateway:
+    """A :class:`Gateway` configured as the command line would configure it."""
+    return Gateway(
+        list(upstreams),
+        orchestrator_token=orchestrator_token or os.environ.get(TOKEN_ENV) or None,
+        store=SQLiteTraceStore(store) if store is not None else None,
+        policy=GatewayPolicy(request_token_ids=request_token_ids),
+        retry=RetryPolicy(max_attempts=max_attempts, deadline_s=deadline_s),
+        public_url=public_url,
+        upstream_api_key=upstream_api_key,
+    )
+
+
+def serve_gateway(
+    upstreams: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    store: str | Path | None = None,
+    orchestrator_token: str | None = None,
+    public_url: str | None = None,
+    request_token_ids: bool = False,
+    max_attempts: int = 3,
+    deadline_s: float = 600.0,
+    upstream_api_key: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve a gateway on ``host:port`` until interrupted (blocking).
+
+    ``upstreams`` are OpenAI-compatible base URLs ending in ``/v1``; ``store`` a SQLite
+    file where finished rollouts land as traces.
+    """
+    import uvicorn
+
+    given = orchestrator_token or os.environ.get(TOKEN_ENV)
+    gateway = build_gateway(
+        upstreams,
+        store=store,
+        orchestrator_token=given,
+        public_url=public_url or f"http://{host}:{port}",
+        request_token_ids=request_token_ids,
+        max_attempts=max_attempts,
+        deadline_s=deadline_s,
+        upstream_api_key=upstream_api_key,
+    )
+    print(f"envport gateway on http://{host}:{port} -> {', '.join(upstreams)}", file=sys.stderr)
+    if not given:
+        print(f"orchestrator token: {gateway.orchestrator_token}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(create_gateway_app(gateway), host=host, port=port, log_level=log_level)
+    finally:
+        if gateway.store is not None:
+            gateway.store.store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m envport.gateway --upstream URL [--upstream URL] --port P --store PATH``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m envport.gateway",
+        description="Record every model call of an unmodified agent.",
+    )
+    parser.add_argument("--upstream", action="append", required=True, help="base URL (…/v1)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--store", default=None, help="SQLite trace store path")
+    parser.add_argument("--public-url", default=None)
+    parser.add_argument("--request-token-ids", action="store_true")
+    parser.add_argument("--max-attempts", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=600.0)
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    serve_gateway(
+        args.upstream,
+        host=args.host,
+        port=args.port,
+        store=args.store,
+        public_url=args.public_url,
+        request_token_ids=args.request_token_ids,
+        max_attempts=args.max_attempts,
+        deadline_s=args.deadline_s,
+        log_level=args.log_level,
+    )

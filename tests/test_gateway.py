@@ -1,0 +1,813 @@
+"""The model gateway, driven by the official ``openai`` SDK over real sockets.
+
+Upstreams are envport's scripted policy server (vLLM-shaped token ids and logprobs) with
+fault injection on, so every failure here is a real HTTP failure on a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from envport.gateway import (
+    Gateway,
+    GatewayPolicy,
+    RetryPolicy,
+    create_gateway_app,
+)
+from envport.policy import ScriptedPolicy, create_policy_app
+from envport.serving import free_port, serve_in_thread
+from envport.trace import ErrorKind, ModelCall, SQLiteTraceStore, TraceStatus
+
+GUESS_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "guess",
+        "description": "Guess the number.",
+        "parameters": {
+            "type": "object",
+            "properties": {"number": {"type": "integer"}},
+            "required": ["number"],
+        },
+    },
+}
+GUESS = [{"role": "user", "content": "I am thinking of an integer from 1 to 100. Find it."}]
+ASK = [{"role": "user", "content": "What is 12 + 7?"}]
+FAST_RETRY = RetryPolicy(max_attempts=3, deadline_s=30, backoff_base_s=0.01, backoff_max_s=0.05)
+
+
+# --- fixtures -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstreams() -> Iterator[list[tuple[str, Any]]]:
+    """Two scripted upstreams with fault injection: [(base URL ending /v1, app)]."""
+    with ExitStack() as stack:
+        out = []
+        for _ in range(2):
+            app = create_policy_app(ScriptedPolicy(seed=0), faults=True)
+            url = stack.enter_context(serve_in_thread(app))
+            out.append((f"{url}/v1", app))
+        yield out
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(upstreams: list[tuple[str, Any]]) -> Iterator[None]:
+    for _, app in upstreams:
+        app.state.faults.clear()
+    yield
+    for _, app in upstreams:
+        app.state.faults.clear()
+
+
+@pytest.fixture
+def upstream(upstreams: list[tuple[str, Any]]) -> tuple[str, Any]:
+    return upstreams[0]
+
+
+class Served:
+    """A gateway on a real socket, and helpers to drive it as the orchestrator."""
+
+    def __init__(self, gateway: Gateway, url: str) -> None:
+        self.gw = gateway
+        self.url = url
+        self.admin = httpx.AsyncClient(
+            base_url=url, headers={"authorization": f"Bearer {gateway.orchestrator_token}"}
+        )
+
+    async def rollout(self, **info: Any) -> dict[str, Any]:
+        r = await self.admin.post("/admin/rollouts", json=info)
+        assert r.status_code == 201, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    def client(self, rollout: dict[str, Any], **kwargs: Any) -> openai.AsyncOpenAI:
+        kwargs.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=rollout["base_url"], api_key=rollout["token"], **kwargs)
+
+    async def calls(self, rollout_id: str) -> list[ModelCall]:
+        r = await self.admin.get(f"/admin/rollouts/{rollout_id}")
+        assert r.status_code == 200, r.text
+        return [ModelCall.model_validate(c) for c in r.json()["model_calls"]]
+
+    async def view(self, rollout_id: str) -> dict[str, Any]:
+        r = await self.admin.get(f"/admin/rollouts/{rollout_id}")
+        assert r.status_code == 200, r.text
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def stats(self) -> dict[str, Any]:
+        body: dict[str, Any] = (await self.admin.get("/admin/stats")).json()
+        return body
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    """``serve(upstream_urls, **gateway_kwargs) -> Served``; all stopped at the end."""
+    stack = ExitStack()
+    served: list[Served] = []
+
+    def start(urls: list[str], **kwargs: Any) -> Served:
+        kwargs.setdefault("retry", FAST_RETRY)
+        gateway = Gateway(urls, **kwargs)
+        url = stack.enter_context(serve_in_thread(create_gateway_app(gateway)))
+        served.append(Served(gateway, url))
+        return served[-1]
+
+    with stack:
+        yield start
+
+
+@pytest.fixture
+async def gw(serve: Any, upstream: tuple[str, Any]) -> AsyncIterator[Served]:
+    served: Served = serve([upstream[0]])
+    yield served
+    await served.admin.aclose()
+
+
+def extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {})[name]
+
+
+async def collect(stream: Any, into: list[Any]) -> None:
+    async for chunk in stream:
+        into.append(chunk)
+
+
+async def wait_for(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+# --- recording --------------------------------------------------------------------------------
+
+
+async def test_non_streaming_with_tools_records_everything(gw: Served) -> None:
+    ro = await gw.rollout(task_id="guess-1")
+    async with gw.client(ro) as client:
+        resp = await client.chat.completions.create(
+            model="my-model", messages=GUESS, tools=[GUESS_TOOL], n=2, logprobs=True, top_logprobs=2
+        )
+    assert resp.choices[0].message.tool_calls
+    assert resp.choices[0].message.tool_calls[0].function.name == "guess"
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.api == "chat.completions"
+    assert call.model == "my-model"  # as requested; never rewritten
+    assert call.response_model == resp.model
+    assert call.request is not None
+    assert call.request["tools"] == [GUESS_TOOL]
+    assert call.original_request is None  # forwarded unchanged
+    assert call.sampling.n == 2
+    assert call.sampling.logprobs is True
+    assert call.response is not None
+    assert call.response["choices"][1]["message"]["tool_calls"]
+    assert [c.finish_reason for c in call.choices] == ["tool_calls", "tool_calls"]
+    assert call.attempts == 1
+    assert call.error is None
+    assert not call.streamed
+    assert call.latency_s is not None
+    assert call.latency_s > 0
+    assert call.usage is not None
+    assert call.usage.prompt_tokens == resp.usage.prompt_tokens
+    # Token ids and logprobs are exactly what the upstream produced, for every choice.
+    assert call.prompt_token_ids == extra(resp, "prompt_token_ids")
+    assert len(call.choices) == 2
+    for recorded, choice in zip(call.choices, resp.choices, strict=True):
+        assert recorded.completion_token_ids == extra(choice, "token_ids")
+        assert choice.logprobs is not None
+        assert choice.logprobs.content is not None
+        assert recorded.completion_logprobs == [t.logprob for t in choice.logprobs.content]
+        assert recorded.top_logprobs is not None
+        assert len(recorded.top_logprobs[0]) == 2
+    assert call.metadata["token_ids"] == "present"
+    assert call.metadata["logprobs"] == "present"
+
+
+async def test_streaming_reassembles_to_the_non_streamed_call(gw: Served) -> None:
+    ro = await gw.rollout()
+    kwargs: dict[str, Any] = {"model": "m", "messages": GUESS, "tools": [GUESS_TOOL]}
+    kwargs.update(n=2, logprobs=True, seed=3)
+    async with gw.client(ro) as client:
+        plain = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+    assert len(chunks) > 4
+    first, second = await gw.calls(ro["rollout_id"])
+    assert second.streamed
+    assert not first.streamed
+    assert second.ttft_s is not None
+    assert second.latency_s is not None
+    assert 0 < second.ttft_s <= second.latency_s
+    assert second.usage is not None
+    assert second.usage.total_tokens == plain.usage.total_tokens
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert [c.model_dump() for c in second.choices] == [c.model_dump() for c in first.choices]
+    assert first.response is not None
+    assert second.response is not None
+    for a, b in zip(first.response["choices"], second.response["choices"], strict=True):
+        assert a["message"]["tool_calls"] == b["message"]["tool_calls"]
+        assert (a["message"]["content"] or "") == (b["message"]["content"] or "")
+
+
+def _paced_upstream(release: threading.Event) -> Starlette:
+    """An upstream that sends one chunk, then waits for ``release`` before the rest."""
+
+    def event(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> bytes:
+        import json
+
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "token_ids": ids}
+        chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "paced"}
+        return f"data: {json.dumps({**chunk, 'choices': [choice]})}\n\n".encode()
+
+    async def chat(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield event({"role": "assistant", "content": "Hel"}, [1, 2])
+            for _ in range(1000):
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            yield event({"content": "lo"}, [3])
+            yield event({}, [4], "stop")
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def test_stream_chunks_are_relayed_as_they_arrive(serve: Any) -> None:
+    release = threading.Event()
+    with serve_in_thread(_paced_upstream(release)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            it = aiter(stream)
+            first = await anext(it)
+            # The upstream is still holding the rest back: no buffering in between.
+            assert first.choices[0].delta.content == "Hel"
+            assert not release.is_set()
+            release.set()
+            rest = [c async for c in it]
+        assert "".join(c.choices[0].delta.content or "" for c in rest) == "lo"
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.streamed
+    assert call.ttft_s is not None
+    assert call.latency_s is not None
+    assert call.ttft_s < call.latency_s
+    assert call.choices[0].completion_token_ids == [1, 2, 3, 4]
+    assert call.choices[0].finish_reason == "stop"
+    assert call.response is not None
+    assert call.response["choices"][0]["message"]["content"] == "Hello"
+    assert call.metadata["logprobs"] == "missing"
+
+
+async def test_completions_streaming_and_not(gw: Served) -> None:
+    ro = await gw.rollout()
+    async with gw.client(ro) as client:
+        plain = await client.completions.create(model="m", prompt="What is 2 + 3?", logprobs=1)
+        stream = await client.completions.create(model="m", prompt="What is 2 + 3?", stream=True)
+        text = "".join([c.choices[0].text async for c in stream])
+    assert text == plain.choices[0].text
+    first, second = await gw.calls(ro["rollout_id"])
+    assert first.api == second.api == "completions"
+    assert first.choices[0].completion_token_ids == extra(plain.choices[0], "token_ids")
+    assert first.prompt_token_ids == extra(plain.choices[0], "prompt_token_ids")
+    assert first.choices[0].completion_logprobs is not None
+    assert second.choices[0].completion_token_ids == first.choices[0].completion_token_ids
+    assert second.prompt_token_ids == first.prompt_token_ids
+
+
+async def test_missing_token_ids_are_marked_missing(gw: Served) -> None:
+    ro = await gw.rollout()
+    async with gw.client(ro) as client:
+        await client.chat.completions.create(
+            model="m", messages=ASK, extra_body={"return_token_ids": False}
+        )
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.choices[0].completion_token_ids is None
+    assert call.metadata["token_ids"] == "missing"
+    assert call.metadata["logprobs"] == "missing"
+
+
+async def test_a_policy_asks_for_token_data_and_both_requests_are_recorded(
+    serve: Any, upstream: tuple[str, Any]
+) -> None:
+    served: Served = serve([upstream[0]], policy=GatewayPolicy(request_token_ids=True))
+    ro = await served.rollout()
+    async with served.client(ro) as client:
+        await client.chat.completions.create(
+            model="m", messages=ASK, extra_body={"return_token_ids": False}
+        )
+    [call] = await served.calls(ro["rollout_id"])
+    await served.admin.aclose()
+    assert call.original_request is not None
+    assert "logprobs" not in call.original_request
+    assert call.original_request["return_token_ids"] is False
+    assert call.request is not None
+    assert call.request["logprobs"] is True
+    assert call.request["return_token_ids"] is True
+    assert call.choices[0].completion_token_ids
+    assert call.choices[0].completion_logprobs
+    assert call.metadata["token_ids"] == "present"
+
+
+# --- retries, upstream failures ---------------------------------------------------------------
+
+
+async def test_upstream_500_is_retried_then_succeeds(gw: Served, upstream: tuple[str, Any]) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push("500", times=2)
+    async with gw.client(ro) as client:
+        resp = await client.chat.completions.create(model="m", messages=ASK)
+    assert resp.choices[0].message.content
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.attempts == 3
+    assert call.error is None
+    assert [a["status"] for a in call.metadata["attempt_log"]] == [500, 500, 200]
+
+
+async def test_upstream_500_past_the_budget_fails_and_is_recorded(
+    gw: Served, upstream: tuple[str, Any]
+) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push("500", times=3)
+    async with gw.client(ro) as client:
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert info.value.status_code == 500
+    assert "Injected fault" in str(info.value)  # upstream's own error body, passed through
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.attempts == 3
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert call.error.retryable
+
+
+async def test_sdk_retries_are_attempts_of_one_call(serve: Any, upstream: tuple[str, Any]) -> None:
+    retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02)
+    served: Served = serve([upstream[0]], retry=retry)
+    ro = await served.rollout()
+    upstream[1].state.faults.push("500", times=3)  # gateway gives up once; the SDK retries
+    async with served.client(ro, max_retries=2) as client:
+        resp = await client.chat.completions.create(model="m", messages=ASK)
+    assert resp.choices[0].message.content
+    calls = await served.calls(ro["rollout_id"])
+    await served.admin.aclose()
+    assert len(calls) == 1
+    [call] = calls
+    assert call.attempts == 4
+    assert call.error is None
+    assert call.metadata["client_retries"] == 1
+    assert call.metadata["earlier_errors"][0]["kind"] == "model_provider"
+
+
+async def test_upstream_down_is_502_after_retries(serve: Any) -> None:
+    served: Served = serve([f"http://127.0.0.1:{free_port()}/v1"])
+    ro = await served.rollout()
+    async with served.client(ro) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert info.value.status_code == 502
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["type"] == "upstream_error"
+    [call] = await served.calls(ro["rollout_id"])
+    await served.admin.aclose()
+    assert call.attempts == 3
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "ConnectError" in call.error.message
+
+
+async def test_a_dead_upstream_fails_over_and_the_rollout_moves(
+    serve: Any, upstream: tuple[str, Any]
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    served: Served = serve([dead, upstream[0]])
+    ro = await served.rollout()
+    async with served.client(ro) as client:
+        await client.chat.completions.create(model="m", messages=ASK)
+        await client.chat.completions.create(model="m", messages=ASK)
+    first, second = await served.calls(ro["rollout_id"])
+    view = await served.view(ro["rollout_id"])
+    await served.admin.aclose()
+    assert first.attempts == 2
+    assert first.metadata["attempt_log"][0]["upstream"] == dead
+    assert second.attempts == 1
+    assert second.endpoint is not None
+    assert second.endpoint.startswith(upstream[0])
+    assert view["upstream"] == upstream[0]
+
+
+async def test_slow_upstream_times_out_with_504(serve: Any, upstream: tuple[str, Any]) -> None:
+    retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01)
+    served: Served = serve([upstream[0]], retry=retry, timeout=httpx.Timeout(0.3))
+    ro = await served.rollout()
+    upstream[1].state.faults.push("slow:1", times=2)
+    async with served.client(ro) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert info.value.status_code == 504
+    [call] = await served.calls(ro["rollout_id"])
+    await served.admin.aclose()
+    assert call.attempts == 2
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "timed out" in call.error.message
+
+
+async def test_invalid_json_from_upstream_is_502(gw: Served, upstream: tuple[str, Any]) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push("garbage")
+    async with gw.client(ro) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert info.value.status_code == 502
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "invalid JSON" in call.error.message
+    assert call.attempts == 1
+
+
+async def test_a_body_cut_before_the_end_is_retried(gw: Served, upstream: tuple[str, Any]) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push("cut-stream")  # non-streaming: half the body, then EOF
+    async with gw.client(ro) as client:
+        resp = await client.chat.completions.create(model="m", messages=ASK)
+    assert resp.choices[0].message.content
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.attempts == 2
+    assert call.error is None
+
+
+@pytest.mark.parametrize("fault", ["cut-stream", "garbage"])
+async def test_a_stream_failing_midway_ends_with_an_error_event(
+    gw: Served, upstream: tuple[str, Any], fault: str
+) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push(fault)
+    seen = []
+    async with gw.client(ro) as client:
+        stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+        with pytest.raises(openai.APIError) as info:
+            await collect(stream, seen)
+    assert "Upstream" in info.value.message
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.streamed
+    assert call.attempts == 1
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    if fault == "cut-stream":
+        assert seen
+        assert call.response is not None
+
+
+async def test_upstream_4xx_passes_through_unretried(gw: Served, upstream: tuple[str, Any]) -> None:
+    ro = await gw.rollout()
+    async with gw.client(ro) as client:
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model="m", messages=[])
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.attempts == 1
+    assert call.error is not None
+    assert not call.error.retryable
+
+
+# --- routing ----------------------------------------------------------------------------------
+
+
+async def test_least_loaded_routing_with_sticky_rollouts(
+    serve: Any, upstreams: list[tuple[str, Any]]
+) -> None:
+    (u1, app1), (u2, _) = upstreams
+    served: Served = serve([u1, u2])
+    a, b, c = [await served.rollout() for _ in range(3)]
+    async with served.client(a) as ca, served.client(b) as cb, served.client(c) as cc:
+        await ca.chat.completions.create(model="m", messages=ASK)  # both idle: the first
+        app1.state.faults.push("slow:1")
+        slow = asyncio.create_task(ca.chat.completions.create(model="m", messages=ASK))
+
+        async def a_in_flight() -> bool:
+            return (await served.stats())["upstreams"][0]["in_flight"] == 1
+
+        await wait_for(a_in_flight)
+        await cb.chat.completions.create(model="m", messages=ASK)  # u1 is busy: u2
+        await cc.chat.completions.create(model="m", messages=ASK)  # u1 still busy: u2
+        await slow
+        await ca.chat.completions.create(model="m", messages=ASK)  # sticky: u1
+        await cb.chat.completions.create(model="m", messages=ASK)  # sticky: u2
+
+    def upstream_of(call: ModelCall) -> str:
+        assert call.endpoint is not None
+        return u1 if call.endpoint.startswith(u1) else u2
+
+    assert [upstream_of(x) for x in await served.calls(a["rollout_id"])] == [u1, u1, u1]
+    assert [upstream_of(x) for x in await served.calls(b["rollout_id"])] == [u2, u2]
+    assert [upstream_of(x) for x in await served.calls(c["rollout_id"])] == [u2]
+    stats = await served.stats()
+    await served.admin.aclose()
+    assert [u["rollouts"] for u in stats["upstreams"]] == [1, 2]
+    assert stats["in_flight"] == 0
+
+
+# --- pause / drain / resume -------------------------------------------------------------------
+
+
+async def test_pause_drains_in_flight_calls_and_resume_stamps_the_version(
+    serve: Any, upstream: tuple[str, Any]
+) -> None:
+    served: Served = serve([upstream[0]], policy_version=1)
+    ro = await served.rollout()
+    async with served.client(ro) as client:
+        upstream[1].state.faults.push("slow:0.5")
+        in_flight = asyncio.create_task(client.chat.completions.create(model="m", messages=ASK))
+
+        async def busy() -> bool:
+            return (await served.stats())["in_flight"] == 1
+
+        await wait_for(busy)
+        pause = await served.admin.post("/admin/pause", json={"drain": True, "timeout_s": 20})
+        # pause returned only once the in-flight call had finished
+        assert pause.json() == {"paused": True, "drained": True, "in_flight": 0}
+        assert in_flight.done()
+        waiting = asyncio.create_task(client.chat.completions.create(model="m", messages=ASK))
+
+        async def queued() -> bool:
+            return (await served.stats())["waiting"] == 1
+
+        await wait_for(queued)
+        assert not waiting.done()
+        resume = await served.admin.post("/admin/resume", json={"policy_version": 2})
+        assert resume.json() == {"paused": False, "policy_version": 2}
+        await waiting
+        await client.chat.completions.create(model="m", messages=ASK)
+    calls = await served.calls(ro["rollout_id"])
+    await served.admin.aclose()
+    assert [c.policy_version for c in calls] == [1, 2, 2]
+
+
+async def test_paused_past_the_wait_is_503(serve: Any, upstream: tuple[str, Any]) -> None:
+    served: Served = serve([upstream[0]], pause_wait_s=0.1)
+    ro = await served.rollout()
+    assert (await served.admin.post("/admin/pause")).json()["paused"] is True
+    async with served.client(ro) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert info.value.status_code == 503
+    assert info.value.response.headers["retry-after"]
+    view = await served.view(ro["rollout_id"])
+    await served.admin.aclose()
+    assert view["model_calls"] == []
+    assert view["errors"][0]["kind"] == "infrastructure"
+
+
+# --- rollouts, the store ----------------------------------------------------------------------
+
+
+async def test_finish_stores_the_trace_and_revokes_the_agent(
+    serve: Any, upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    store = SQLiteTraceStore(tmp_path / "traces.db")
+    served: Served = serve([upstream[0]], store=store)
+    ro = await served.rollout(task_id="t1", run_id="run-1", metadata={"k": "v"})
+    async with served.client(ro) as client:
+        await client.chat.completions.create(model="m", messages=ASK)
+        await client.chat.completions.create(model="m", messages=ASK, stream=True)
+        r = await served.admin.post(
+            f"/admin/rollouts/{ro['rollout_id']}/finish",
+            json={"rewards": [{"name": "correct", "value": 1.0}], "stop_reason": "done"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["reward"] == 1.0
+        assert r.json()["model_calls"] == 2
+        with pytest.raises(openai.AuthenticationError):  # token revoked with the rollout
+            await client.chat.completions.create(model="m", messages=ASK)
+    [trace] = store.query(rollout_id=ro["rollout_id"])
+    assert trace.task_id == "t1"
+    assert trace.run_id == "run-1"
+    assert trace.metadata["k"] == "v"
+    assert trace.status is TraceStatus.COMPLETED
+    assert trace.reward == 1.0
+    assert [c.streamed for c in trace.model_calls] == [False, True]
+    assert all(c.choices[0].completion_token_ids for c in trace.model_calls)
+    view = await served.view(ro["rollout_id"])
+    assert view["state"] == "finished"
+    assert view["trace_id"] == trace.trace_id
+    again = await served.admin.post(
+        f"/rollouts/{ro['rollout_id']}/v1/chat/completions", json={"messages": ASK}
+    )
+    assert again.status_code == 410
+    assert again.json()["error"]["code"] == "rollout_finished"
+    await served.admin.aclose()
+    store.close()
+
+
+async def test_rollout_from_header_or_from_the_token(gw: Served) -> None:
+    ro = await gw.rollout()
+    base = f"{gw.url}/v1"
+    async with openai.AsyncOpenAI(base_url=base, api_key=ro["token"], max_retries=0) as plain:
+        await plain.chat.completions.create(model="m", messages=ASK)  # the token's rollout
+        await plain.chat.completions.create(
+            model="m", messages=ASK, extra_headers={"X-Envport-Rollout": ro["rollout_id"]}
+        )
+    # The orchestrator may call for any rollout it names.
+    r = await gw.admin.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": ASK},
+        headers={"x-envport-rollout": ro["rollout_id"]},
+    )
+    assert r.status_code == 200
+    assert len(await gw.calls(ro["rollout_id"])) == 3
+    r = await gw.admin.post("/v1/chat/completions", json={"model": "m", "messages": ASK})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "missing_rollout"
+
+
+# --- bad input and denials --------------------------------------------------------------------
+
+
+async def test_malformed_json_is_400_and_recorded(gw: Served) -> None:
+    ro = await gw.rollout()
+    headers = {"authorization": f"Bearer {ro['token']}", "content-type": "application/json"}
+    async with httpx.AsyncClient() as http:
+        for body in (b"{not json", b"[1, 2]"):
+            r = await http.post(f"{ro['base_url']}/chat/completions", content=body, headers=headers)
+            assert r.status_code == 400
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["code"] == "invalid_json"
+    view = await gw.view(ro["rollout_id"])
+    assert [e["kind"] for e in view["errors"]] == ["harness", "harness"]
+    assert view["model_calls"] == []
+
+
+async def test_unknown_rollout_is_404(gw: Served) -> None:
+    r = await gw.admin.post("/rollouts/nope/v1/chat/completions", json={"messages": ASK})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "rollout_not_found"
+    assert (await gw.admin.get("/admin/rollouts/nope")).status_code == 404
+    assert (await gw.admin.post("/admin/rollouts/nope/finish")).status_code == 404
+    r = await gw.admin.post("/admin/rollouts", json={"rollout_id": "bad id!"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "rollout_id"
+    await gw.rollout(rollout_id="taken")
+    r = await gw.admin.post("/admin/rollouts", json={"rollout_id": "taken"})
+    assert r.status_code == 409
+
+
+async def test_missing_unknown_and_expired_tokens_are_401(gw: Served) -> None:
+    ro = await gw.rollout(ttl_s=0.2)
+    url = f"{ro['base_url']}/chat/completions"
+    body = {"model": "m", "messages": ASK}
+    async with httpx.AsyncClient() as http:
+        r = await http.post(url, json=body)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "missing_token"
+        r = await http.post(url, json=body, headers={"authorization": "Bearer epa_nope"})
+        assert r.status_code == 401
+        assert r.json()["error"]["type"] == "authentication_error"
+        r = await http.post(url, json=body, headers={"x-api-key": ro["token"]})
+        assert r.status_code == 200  # the Anthropic SDK's header works too
+        await asyncio.sleep(0.3)
+        r = await http.post(url, json=body, headers={"x-api-key": ro["token"]})
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "expired_token"
+        r = await http.get(f"{gw.url}/admin/stats")
+        assert r.status_code == 401
+        # Anthropic-shaped on the Messages route
+        r = await http.post(f"{gw.url}/v1/messages", json={})
+        assert r.status_code == 401
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "authentication_error"
+    async with gw.client(ro) as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="m", messages=ASK)
+
+
+async def test_agent_tokens_are_denied_every_admin_route_and_other_rollouts(gw: Served) -> None:
+    a, b = await gw.rollout(), await gw.rollout()
+    admin_routes = [
+        ("POST", "/admin/rollouts"),
+        ("GET", "/admin/rollouts"),
+        ("GET", f"/admin/rollouts/{a['rollout_id']}"),
+        ("GET", f"/admin/rollouts/{b['rollout_id']}"),
+        ("POST", f"/admin/rollouts/{a['rollout_id']}/finish"),
+        ("POST", "/admin/pause"),
+        ("POST", "/admin/resume"),
+        ("GET", "/admin/stats"),
+    ]
+    headers = {"authorization": f"Bearer {a['token']}"}
+    async with httpx.AsyncClient(base_url=gw.url, headers=headers) as agent:
+        for method, path in admin_routes:
+            r = await agent.request(method, path, json={})
+            assert r.status_code == 403, (method, path)
+            assert r.json()["error"]["type"] == "permission_error"
+        body = {"model": "m", "messages": ASK}
+        r = await agent.post(f"/rollouts/{b['rollout_id']}/v1/chat/completions", json=body)
+        assert r.status_code == 403
+        assert r.json()["error"]["code"] == "wrong_rollout"
+        r = await agent.post(
+            "/v1/chat/completions", json=body, headers={"x-envport-rollout": b["rollout_id"]}
+        )
+        assert r.status_code == 403
+        r = await agent.post("/rollouts/unknown/v1/chat/completions", json=body)
+        assert r.status_code == 403  # an agent learns nothing about other rollout ids
+    assert not gw.gw.gate.paused
+    assert (await gw.view(b["rollout_id"]))["model_calls"] == []
+    assert (await gw.view(a["rollout_id"]))["state"] == "live"
+    assert (await gw.stats())["denied"] >= len(admin_routes) + 3
+
+
+async def test_health_and_unknown_routes(gw: Served) -> None:
+    async with httpx.AsyncClient(base_url=gw.url) as http:
+        r = await http.get("/health")
+        assert r.status_code == 200
+        assert r.json()["status"] == "healthy"
+        r = await http.get("/nowhere")
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "not_found_error"
+
+
+# --- other APIs -------------------------------------------------------------------------------
+
+
+async def test_responses_api_through_the_gateway(gw: Served) -> None:
+    ro = await gw.rollout()
+    async with gw.client(ro) as client:
+        resp = await client.responses.create(model="m", input="What is 12 + 7?")
+    assert resp.output_text
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.api == "responses"
+    assert call.original_request is not None
+    assert call.original_request["input"]
+    assert call.request is not None
+    assert call.request["messages"]
+    assert call.choices[0].completion_token_ids
+
+
+async def test_messages_api_through_the_gateway(gw: Served) -> None:
+    ro = await gw.rollout()
+    body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi there"}]}
+    headers = {"x-api-key": ro["token"], "anthropic-version": "2023-06-01"}
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{ro['anthropic_base_url']}/v1/messages", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        assert r.json()["type"] == "message"
+        assert r.json()["content"][0]["text"]
+        async with http.stream(
+            "POST",
+            f"{ro['anthropic_base_url']}/v1/messages",
+            json={**body, "stream": True},
+            headers=headers,
+        ) as s:
+            text = (await s.aread()).decode()
+    assert "event: message_start" in text
+    assert "event: message_stop" in text
+    calls = await gw.calls(ro["rollout_id"])
+    assert [c.api for c in calls] == ["messages", "messages"]
+    assert [c.streamed for c in calls] == [False, True]
+    assert all(c.choices[0].completion_token_ids for c in calls)
+
+
+async def test_an_agent_leaving_mid_stream_is_recorded_and_frees_its_slot(serve: Any) -> None:
+    release = threading.Event()
+    with serve_in_thread(_paced_upstream(release)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            await anext(aiter(stream))
+            await stream.close()  # the agent goes away while upstream is still generating
+
+        async def recorded() -> bool:
+            return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
+
+        await wait_for(recorded)
+        [call] = await served.calls(ro["rollout_id"])
+        stats = await served.stats()
+        release.set()
+        await served.admin.aclose()
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.HARNESS
+    assert call.choices[0].completion_token_ids == [1, 2]  # what was relayed is kept
+    assert stats["in_flight"] == 0
+    assert stats["upstreams"][0]["in_flight"] == 0
