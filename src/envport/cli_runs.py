@@ -321,6 +321,54 @@ def traces_import(
     out.print(f"imported {n} traces into {store}")
 
 
+def gateway_command(
+    upstream: Annotated[
+        list[str],
+        typer.Option(
+            "--upstream", "-u", help="OpenAI-compatible base URL (…/v1); repeat for several."
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8100,
+    store: StoreOpt = DEFAULT_STORE,
+    token_ids: Annotated[
+        bool,
+        typer.Option(
+            "--token-ids/--as-is",
+            help="Ask upstreams for token ids and logprobs (the trace records the agent's "
+            "request and the rewritten one), or forward every request unchanged.",
+        ),
+    ] = False,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Tries per call (429/5xx).")] = 3,
+    public_url: Annotated[
+        str | None, typer.Option(help="URL agents reach the gateway at (default: bound).")
+    ] = None,
+    upstream_api_key: Annotated[
+        str | None, typer.Option(envvar="ENVPORT_UPSTREAM_API_KEY", help="Key for upstreams.")
+    ] = None,
+) -> None:
+    """Run the model gateway: records every call of unmodified agents into traces.
+
+    The orchestrator token comes from ENVPORT_GATEWAY_TOKEN (else one is printed).
+    Create a rollout with POST /admin/rollouts; give the agent the returned base_url and
+    token as OPENAI_BASE_URL / OPENAI_API_KEY (or ANTHROPIC_*).
+    """
+    from envport.gateway import serve_gateway
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    serve_gateway(
+        upstream,
+        host=host,
+        port=port,
+        store=store,
+        public_url=public_url,
+        request_token_ids=token_ids,
+        max_attempts=max_attempts,
+        upstream_api_key=upstream_api_key,
+    )
+
+
 def register(app: typer.Typer) -> None:
     app.command("eval")(eval_command)
+    app.command("gateway")(gateway_command)
     app.add_typer(traces_app, name="traces")
