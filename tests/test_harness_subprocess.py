@@ -438,3 +438,60 @@ async def test_mini_swe_agent_through_the_gateway_has_every_call_recorded(
         {"command": "echo 'hello world' > hello.txt"},
         {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"},
     ]
+
+
+# --- the environment's tools, offered over MCP -----------------------------------------------
+
+MCP_AGENT = """
+import asyncio, json, os, sys
+import httpx2
+from mcp.client.session import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+async def main():
+    config = json.load(open(sys.argv[1]))["mcpServers"]["envport"]
+    assert config["url"] == os.environ["ENVPORT_MCP_URL"]
+    async with (
+        httpx2.AsyncClient(headers=config["headers"]) as http,
+        streamable_http_client(config["url"], http_client=http) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        tools = [t.name for t in (await session.list_tools()).tools]
+        result = await session.call_tool("guess", {"number": 50})
+    print(json.dumps({"tools": tools, "result": json.loads(result.content[0].text)}))
+
+asyncio.run(main())
+"""
+
+
+async def test_mcp_speaking_agent_uses_the_live_environment(
+    tmp_path: Path, endpoint: ModelEndpoint
+) -> None:
+    """The harness gets the env's tools as an mcpServers file; they act on the live session."""
+    from envport.client import EnvClient
+    from tests.support.servers import run_env_server
+
+    with run_env_server("guess-number-v1") as (url, _):
+        async with EnvClient.connect(url) as env:
+            await env.reset(seed=1, high=100, max_steps=10)
+            token = env.transport.token  # type: ignore[attr-defined]
+            tools = ModelEndpoint(
+                endpoint.base_url,
+                endpoint.api_key,
+                mcp_url=url + "/mcp",
+                mcp_headers=(("X-Envport-Session", token),),
+            )
+            harness = SubprocessHarness(
+                [sys.executable, _script(tmp_path, MCP_AGENT), "{mcp_config}"],
+                name="mcp-agent",
+                timeout_s=30,
+            )
+            result = await harness.run(Task(prompt="play"), tools)
+            assert result.exit_code == 0, result.stderr_tail
+            report = json.loads(result.stdout_tail)
+            assert report["tools"] == ["guess"]
+            assert report["result"]["last_guess"] == 50
+            # The agent's MCP call was a step of the trainer's own episode.
+            state = await env.state()
+            assert state["step_count"] == 1

@@ -105,6 +105,11 @@ class ModelEndpoint:
     api_key: str
     anthropic_base_url: str | None = None
     anthropic_api_key: str | None = None
+    #: The environment's tools for harnesses that speak MCP: an envport server's ``/mcp``
+    #: URL, and headers (``X-Envport-Session: TOKEN`` binds the tools to the rollout's
+    #: live environment session).
+    mcp_url: str | None = None
+    mcp_headers: tuple[tuple[str, str], ...] = ()
 
     def env(self) -> dict[str, str]:
         """The variables an OpenAI or Anthropic SDK reads to reach this endpoint."""
@@ -112,7 +117,15 @@ class ModelEndpoint:
         if self.anthropic_base_url is not None:
             out["ANTHROPIC_BASE_URL"] = self.anthropic_base_url
             out["ANTHROPIC_API_KEY"] = self.anthropic_api_key or self.api_key
+        if self.mcp_url is not None:
+            out["ENVPORT_MCP_URL"] = self.mcp_url
+            out["ENVPORT_MCP_HEADERS"] = json.dumps(dict(self.mcp_headers))
         return out
+
+    def mcp_config(self) -> dict[str, Any]:
+        """The tools as an ``mcpServers`` config file, the format MCP-speaking CLIs read."""
+        server = {"type": "http", "url": self.mcp_url, "headers": dict(self.mcp_headers)}
+        return {"mcpServers": {"envport": server}}
 
 
 @dataclass(frozen=True)
@@ -198,7 +211,9 @@ class SubprocessHarness:
     """Start a CLI agent unmodified, give it a task, a workdir and a deadline.
 
     ``command`` is an argv template; each element may use ``{task}`` (the instruction),
-    ``{workdir}``, ``{state_dir}`` and ``{task_file}`` (only with ``task_input="file"``).
+    ``{workdir}``, ``{state_dir}``, ``{task_file}`` (only with ``task_input="file"``) and
+    ``{mcp_config}`` (only when the endpoint offers the environment's tools over MCP: an
+    ``mcpServers`` JSON file, also named by ``ENVPORT_MCP_CONFIG``).
     ``env`` values may use the same placeholders; they are added after the endpoint's
     variables, so they can override them. ``task_input`` says how the instruction is
     given besides any ``{task}`` in the argv: ``"stdin"`` pipes it in (then closes
@@ -271,6 +286,10 @@ class SubprocessHarness:
             values = {"task": text, "workdir": str(root), "state_dir": str(state)}
             if self.task_input == "file":
                 values["task_file"] = str(state / self.task_file_name)
+            if endpoint is not None and endpoint.mcp_url is not None:
+                config_path = state / "mcp.json"
+                config_path.write_text(json.dumps(endpoint.mcp_config(), indent=2))
+                values["mcp_config"] = str(config_path)
             await asyncio.to_thread(_populate, task, root, values.get("task_file"), text)
             argv = tuple(_fill(part, values) for part in self.command)
             env = self._environment(endpoint, values)
@@ -371,6 +390,8 @@ class SubprocessHarness:
         env = {k: v for k, v in env.items() if not k.startswith(_PROVIDER_PREFIXES)}
         if endpoint is not None:
             env.update(endpoint.env())
+        if "mcp_config" in values:
+            env["ENVPORT_MCP_CONFIG"] = values["mcp_config"]
         env.update({k: _fill(v, values) for k, v in self.env.items()})
         return env
 
