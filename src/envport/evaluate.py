@@ -112,7 +112,7 @@ class Evaluator:
         # One environment call may run a whole verifier (Harbor's test.sh): allow the
         # longest stage deadline the task declares.
         t = task.resources.timeouts
-        timeout = max(60.0, *(x for x in (t.agent, t.scoring, t.env_start) if x))
+        timeout = max([60.0, *(x for x in (t.agent, t.scoring, t.env_start) if x)])
         url = self.config.env_urls.get(task.env_id)
         target = url or task.env_id
         return EnvClient.connect(target, timeout_s=timeout)
