@@ -5,12 +5,21 @@ Run from the repository root::
     .venv/bin/python bench/step_throughput.py            # full run (a few minutes)
     .venv/bin/python bench/step_throughput.py --quick    # smoke run (small counts)
     .venv/bin/python bench/step_throughput.py --servers openenv --scenarios seq,c64
+    .venv/bin/python bench/step_throughput.py --repeat 3 --markdown bench/table.md
 
-Both servers are started here as subprocesses on free loopback ports:
+Three servers are started here as subprocesses on free loopback ports:
 
-* envport: ``python -m envport.server echo-v1 --port P``
-* OpenEnv: ``python tests/support/openenv_echo_server.py --port P`` (``openenv-core``'s
-  ``create_fastapi_app`` on uvicorn, the same echo env and tools)
+* ``envport``: ``python -m envport.server echo-v1 --port P``
+* ``openenv``: ``python tests/support/openenv_echo_server.py --sync-env --port P``:
+  OpenEnv's own server (``openenv-core``'s ``create_fastapi_app`` on uvicorn) with the
+  same echo env and tools written the standard OpenEnv way, sync ``reset``/``step``,
+  which OpenEnv runs in a worker thread per call. This is OpenEnv as people use it.
+* ``openenv-async``: the same server and env with ``reset_async``/``step_async``
+  overridden inline (OpenEnv's documented async fast path): no thread hop, the
+  strongest OpenEnv baseline for a trivial env.
+
+Ratios are given against both OpenEnv flavours (``/o`` = default sync env, ``/oa`` =
+async-inlined env). Tool calls take the same FastMCP path in both flavours.
 
 Fairness: one load generator (the ``websockets`` asyncio client, orjson, no
 permessage-deflate, no keepalive pings) speaks the same OpenEnv frames to both, so
@@ -23,10 +32,18 @@ For each scenario all sessions first connect and reset (the "setup" time), then
 start stepping together; throughput = steps / stepping wall time, and latency is
 per request (send to reply). ``srv us/step`` is the server process's CPU time
 (all threads, from /proc) per step: the cost that stays when the client is the
-bottleneck. A ``client-bound`` note means the client's CPU was >85 % busy, so
-that row understates the faster server.
+bottleneck, and ``cpu o/e`` its ratio (how many times more steps envport serves per
+core-second). A ``client-bound`` note means the client's CPU was >85 % busy, so
+that row understates the faster server; compare ``cpu o/e`` there.
+
+A closed loop of N sessions that step back to back has, by Little's law, a mean
+latency of N / throughput: at 1000 sessions a p99 of 50 ms would need > 20,000
+steps/s from one client core. ``c1000-paced`` therefore also offers 1000 sessions a
+fixed load below capacity (``--paced-rate`` steps/s in all, each session stepping at
+a steady pace from a random phase) and reports the latency at that load.
 
 Scenarios: seq (1 session x --steps), c64 / c256 / c1000 (concurrent sessions),
+c1000-paced (1000 sessions at a fixed offered load),
 tool-seq / tool-c64 (``call_tool`` step actions), mcpws-seq (``{"type":"mcp"}``
 JSON-RPC ``tools/call`` over /ws), mcphttp-seq / mcphttp-c64 (JSON-RPC POST
 ``/mcp`` with httpx; envport gets the streamable-HTTP ``initialize`` handshake
@@ -329,6 +346,52 @@ async def ws_load(server: Server, sessions: int, per_session: int, kind: str) ->
     return result
 
 
+async def ws_paced_load(server: Server, sessions: int, rate: float, duration_s: float) -> Result:
+    """`sessions` WS sessions, `rate` steps/s offered in all, each at a steady pace."""
+    result = Result()
+    conns: list[ClientConnection] = []
+    gate = asyncio.Semaphore(64)
+    period = sessions / rate  # seconds between two steps of one session
+    per_session = max(1, round(duration_s / period))
+
+    async def open_one() -> None:
+        async with gate:
+            conns.append(await _open_session(server.ws_url))
+
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(sessions):
+                tg.create_task(open_one())
+        result.setup_s = time.perf_counter() - t0
+        lat = result.lat_ns
+        start = time.perf_counter() + 0.05
+
+        async def drive(i: int, ws: ClientConnection) -> None:
+            phase = start + period * (i / sessions)  # spread evenly, no thundering herd
+            for k in range(per_session):
+                delay = phase + k * period - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                msg = f"p{i}.{k}"
+                t = time.perf_counter_ns()
+                reply, text = await _rpc(ws, _step_frame(msg, k))
+                lat.append(time.perf_counter_ns() - t)
+                if reply.get("type") != "observation" or msg not in text:
+                    result.errors += 1
+                    if result.errors == 1:
+                        result.note = f"bad reply: {text[:160]}"
+
+        with Measure(server, result):
+            async with asyncio.TaskGroup() as tg:
+                for i, ws in enumerate(conns):
+                    tg.create_task(drive(i, ws))
+        result.steps = len(lat)
+    finally:
+        await asyncio.gather(*(_close_session(ws) for ws in conns), return_exceptions=True)
+    return result
+
+
 async def _close_session(ws: ClientConnection) -> None:
     """Like OpenEnv's client: a ``close`` frame, then the WebSocket close handshake."""
     with contextlib.suppress(Exception):
@@ -500,6 +563,11 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
         ),
         Scenario("c256", f"(c) {c_mid} sessions x {per(c_mid)}", ws(c_mid, per(c_mid), "step")),
         Scenario("c1000", f"(d) {c_big} sessions x {per(c_big)}", ws(c_big, per(c_big), "step")),
+        Scenario(
+            "c1000-paced",
+            f"(d) {c_big} sessions, {args.paced_rate:,.0f} steps/s offered",
+            lambda s: ws_paced_load(s, c_big, args.paced_rate, 2.0 if args.quick else 5.0),
+        ),
         Scenario("tool-seq", f"(e) call_tool step, 1 x {tool_n}", ws(1, tool_n, "tool")),
         Scenario(
             "tool-c64",
@@ -595,32 +663,51 @@ def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None or math.isnan(x) else format(x, spec)
 
 
-def render(
+#: OpenEnv flavours and the suffix of their ratio columns (envport / that flavour).
+ANCHORS = {"openenv": "o", "openenv-async": "oa"}
+SERVER_LABELS = {
+    "envport": "envport",
+    "openenv": "OpenEnv (default, sync env)",
+    "openenv-async": "OpenEnv (async-inlined env)",
+}
+
+
+def _ratios(e: Result | None, o: Result | None) -> list[str]:
+    """Throughput e/o, p99 e/o, server CPU per step o/e (envport's capacity edge)."""
+    if not (e and o and e.ok and o.ok):
+        return ["—", "—", "—"]
+    eu, ou = e.server_us_per_step, o.server_us_per_step
+    return [
+        f"{e.rate / o.rate:.2f}x",
+        f"{e.pct_ms(0.99) / o.pct_ms(0.99):.2f}x",
+        f"{ou / eu:.2f}x" if eu and ou else "—",
+    ]
+
+
+def table_rows(
     scenarios: list[Scenario],
     results: dict[str, dict[str, Result]],
     servers: list[Server],
-    pinned: bool,
-) -> None:
-    where = f"client CPU{CLIENT_CPU}, servers CPU{SERVER_CPU}" if pinned else "unpinned"
-    table = Table(title=f"envport vs OpenEnv: echo-v1 over loopback ({where})")
-    table.add_column("scenario")
-    for srv in servers:
-        table.add_column(f"{srv.name}\nsteps/s", justify="right")
-        table.add_column("p50\nms", justify="right")
-        table.add_column("p99\nms", justify="right")
+    *,
+    long_names: bool = True,
+) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the report (shared by the console table and --markdown)."""
     names = [s.name for s in servers]
-    both = "envport" in names and "openenv" in names
-    if both:
-        table.add_column("thrpt\ne/o", justify="right")
-        table.add_column("p99\ne/o", justify="right")
-    table.add_column("srv us/step\n" + "/".join(n[0] for n in names), justify="right")
-    table.add_column("notes", overflow="fold", max_width=50)
+    anchors = [a for a in ANCHORS if "envport" in names and a in names]
+    header = ["scenario"]
+    for name in names:
+        label = SERVER_LABELS.get(name, name) if long_names else name
+        header += [f"{label} steps/s", "p50 ms", "p99 ms"]
+    for a in anchors:
+        sfx = ANCHORS[a]
+        header += [f"thrpt e/{sfx}", f"p99 e/{sfx}", f"cpu {sfx}/e"]
+    header += ["srv us/step " + " / ".join(names), "notes"]
+    rows = []
     for sc in scenarios:
-        row = [sc.label]
         per = results.get(sc.key, {})
-        notes = []
-        for srv in servers:
-            res = per.get(srv.name)
+        row, notes = [sc.label], []
+        for name in names:
+            res = per.get(name)
             if res is None or not res.ok:
                 row += ["—", "—", "—"]
             else:
@@ -630,26 +717,74 @@ def render(
                     _fmt(res.pct_ms(0.99), ".2f"),
                 ]
             if res is not None and res.note:
-                notes.append(f"{srv.name}: {res.note}")
-        if both:
-            e, o = per.get("envport"), per.get("openenv")
-            if e and o and e.ok and o.ok:
-                row += [
-                    f"{e.rate / o.rate:.2f}x",
-                    f"{e.pct_ms(0.99) / o.pct_ms(0.99):.2f}x",
-                ]
-            else:
-                row += ["—", "—"]
-        cpu = [per.get(s.name) for s in servers]
+                notes.append(f"{name}: {res.note}")
+        for a in anchors:
+            row += _ratios(per.get("envport"), per.get(a))
+        cpu = [per.get(n) for n in names]
         row.append(
             " / ".join(_fmt(r.server_us_per_step if r and r.ok else None, ".0f") for r in cpu)
         )
-        row.append("\n".join(notes))
+        row.append("; ".join(notes))
+        rows.append(row)
+    return header, rows
+
+
+def render(
+    scenarios: list[Scenario],
+    results: dict[str, dict[str, Result]],
+    servers: list[Server],
+    pinned: bool,
+) -> None:
+    header, rows = table_rows(scenarios, results, servers, long_names=False)
+    table = Table(title=f"envport vs OpenEnv: echo-v1 over loopback ({_where(pinned)})")
+    for i, col in enumerate(header):
+        if col == "notes":
+            table.add_column(col, overflow="fold", max_width=40)
+        else:
+            table.add_column(
+                col.replace(" steps/s", "\nsteps/s"), justify="left" if i == 0 else "right"
+            )
+    for row in rows:
         table.add_row(*row)
     console.print(table)
+    legend = ", ".join(f"{k} = {v}" for k, v in SERVER_LABELS.items() if k != "envport")
+    console.print(f"[dim]{legend}; /o and /oa: ratio against each.[/dim]")
     for srv in servers:
         if srv.error:
             console.print(f"[red]{srv.name} server: {srv.error}[/red]")
+
+
+def _where(pinned: bool) -> str:
+    cpus = f"client CPU{CLIENT_CPU}, servers CPU{SERVER_CPU}" if pinned else "unpinned"
+    return f"{cpus}; event loop: {_loop_name()}"
+
+
+def _loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio (uvloop not installed)"
+    return "uvloop"
+
+
+def markdown(
+    scenarios: list[Scenario],
+    results: dict[str, dict[str, Result]],
+    servers: list[Server],
+    pinned: bool,
+    command: str,
+) -> str:
+    header, rows = table_rows(scenarios, results, servers)
+    out = [
+        f"`{command}` ({_where(pinned)}, {os.cpu_count()} CPUs)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|"
+        + "|".join("---" if i == 0 or h == "notes" else "---:" for i, h in enumerate(header))
+        + "|",
+    ]
+    out += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
 
 
 # --------------------------------------------------------------------------- main
@@ -662,7 +797,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2000, help="sequential steps (a)")
     parser.add_argument("--quick", action="store_true", help="small counts: a smoke run")
     parser.add_argument(
-        "--servers", default="envport,openenv", help="comma list of envport, openenv"
+        "--servers",
+        default="envport,openenv,openenv-async",
+        help="comma list of envport, openenv (default sync env), openenv-async",
     )
     parser.add_argument("--scenarios", default="all", help="comma list of scenario keys, or all")
     parser.add_argument("--timeout", type=float, default=180.0, help="per scenario, seconds")
@@ -671,11 +808,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-pin", action="store_true", help="do not pin CPUs")
     parser.add_argument(
-        "--openenv-threaded",
-        action="store_true",
-        help="OpenEnv steps on its default worker-thread path (not inline async)",
+        "--paced-rate",
+        type=float,
+        default=2000.0,
+        help="steps/s offered in all by the 1000 sessions of c1000-paced",
     )
     parser.add_argument("--json", type=Path, help="write raw results here")
+    parser.add_argument("--markdown", type=Path, help="write the table as Markdown here")
     args = parser.parse_args(argv)
     if args.quick and args.steps == 2000:
         args.steps = 200
@@ -688,7 +827,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def amain(args: argparse.Namespace) -> int:
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
-    unknown = set(wanted) - {"envport", "openenv"}
+    unknown = set(wanted) - set(SERVER_LABELS)
     if unknown:
         console.print(f"[red]unknown servers: {sorted(unknown)}[/red]")
         return 2
@@ -716,8 +855,8 @@ async def amain(args: argparse.Namespace) -> int:
             cmd = [py, "-m", "envport.server", "echo-v1", "--port", str(port)]
         else:
             cmd = [py, str(OPENENV_SCRIPT), "--port", str(port), "--max-concurrent-envs", "4096"]
-            if args.openenv_threaded:
-                cmd.append("--threaded-steps")
+            if name == "openenv":
+                cmd.append("--sync-env")
         servers.append(Server(name, cmd, port, logdir / f"{name}.log"))
 
     results: dict[str, dict[str, Result]] = {}
@@ -738,7 +877,7 @@ async def amain(args: argparse.Namespace) -> int:
         for idx, sc in enumerate(scenarios):
             order = servers if idx % 2 == 0 else list(reversed(servers))
             for srv in order:
-                console.print(f"[dim]{sc.key:<12} {srv.name:<8} ...[/dim]", end="")
+                console.print(f"[dim]{sc.key:<12} {srv.name:<13} ...[/dim]", end="")
                 res = await run_repeated(srv, sc, args.timeout, args.repeat)
                 results.setdefault(sc.key, {})[srv.name] = res
                 status = f"{res.rate:,.0f}/s p99 {res.pct_ms(0.99):.2f} ms" if res.ok else res.note
@@ -749,6 +888,9 @@ async def amain(args: argparse.Namespace) -> int:
             _stop(srv)
 
     render(scenarios, results, servers, pin)
+    if args.markdown:
+        command = "python bench/step_throughput.py " + " ".join(sys.argv[1:])
+        args.markdown.write_text(markdown(scenarios, results, servers, pin, command.strip()))
     console.print(f"[dim]server logs: {logdir}[/dim]")
     if args.json:
         payload = {

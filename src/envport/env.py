@@ -27,6 +27,7 @@ import inspect
 import math
 import random
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -121,7 +122,7 @@ class Env(Generic[ActT, ObsT]):
         self.episode_id = episode_id or uuid.uuid4().hex
         self.step_count = 0
         self.rng = random.Random(seed)
-        result = await self._run_hook(partial(self.on_reset, seed, **options))
+        result = await self._run_hook(self.on_reset, seed, **options)
         self.status = EnvStatus.RUNNING
         return result
 
@@ -135,7 +136,7 @@ class Env(Generic[ActT, ObsT]):
             return StepResult(observation=ListToolsObservation(tools=self.tool_specs()))
         if isinstance(typed, CallToolAction):
             return StepResult(observation=await self._tool_observation(typed))
-        return await self._run_hook(partial(self.on_step, cast(ActT, typed)))
+        return await self._run_hook(self.on_step, cast(ActT, typed))
 
     async def state(self) -> State:
         self._check_open()
@@ -149,7 +150,9 @@ class Env(Generic[ActT, ObsT]):
             return
         self.status = EnvStatus.CLOSED
         try:
-            await self._run_hook(self.on_close)
+            hook = self.on_close
+            if getattr(hook, "__func__", None) is not Env.on_close:  # the base one does nothing
+                await self._run_hook(hook)
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False, cancel_futures=True)
@@ -165,7 +168,7 @@ class Env(Generic[ActT, ObsT]):
 
     def parse_action(self, action: Any) -> AnyAction:
         """Turn a wire dict (or model) into the typed action, or raise a clear error."""
-        if isinstance(action, self.action_type | ListToolsAction | CallToolAction):
+        if isinstance(action, (self.action_type, ListToolsAction, CallToolAction)):
             return action
         if isinstance(action, BaseModel):
             action = action.model_dump()
@@ -254,17 +257,19 @@ class Env(Generic[ActT, ObsT]):
         if self.status is EnvStatus.CLOSED:
             raise EnvClosedError(f"{type(self).__name__} is closed.")
 
-    async def _run_hook(self, fn: Callable[[], T | Awaitable[T]]) -> T:
-        target = fn.func if isinstance(fn, partial) else fn
+    async def _run_hook(
+        self, hook: Callable[..., T | Awaitable[T]], *args: Any, **kwargs: Any
+    ) -> T:
+        """Call a hook: inline if it is ``async def``, else on the instance's thread."""
         try:
-            if inspect.iscoroutinefunction(target):
-                return await cast(Awaitable[T], fn())
+            if _is_async_hook(hook):
+                return await cast(Awaitable[T], hook(*args, **kwargs))
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"envport-{type(self).__name__}"
                 )
             loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(self._executor, fn)
+            value = await loop.run_in_executor(self._executor, partial(hook, *args, **kwargs))
             if inspect.isawaitable(value):
                 return await cast(Awaitable[T], value)
             return value
@@ -277,6 +282,20 @@ class Env(Generic[ActT, ObsT]):
                 f"{type(self).__name__} raised {type(exc).__name__}: {exc}",
                 exception=type(exc).__name__,
             ) from exc
+
+
+#: ``inspect.iscoroutinefunction`` per hook function, computed once (hot path).
+_ASYNC_HOOKS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _is_async_hook(hook: Callable[..., Any]) -> bool:
+    func = getattr(hook, "__func__", None)
+    if func is None:  # not a bound method (a callable set on the instance): no cache
+        return inspect.iscoroutinefunction(hook)
+    flag = _ASYNC_HOOKS.get(func)
+    if flag is None:
+        flag = _ASYNC_HOOKS[func] = inspect.iscoroutinefunction(func)
+    return flag
 
 
 class Wrapper(Env[ActT, ObsT]):

@@ -33,11 +33,17 @@ How the pieces of ``openenv-core`` are used (checked against 0.3.0):
   ``EchoAction.model_validate`` therefore forwards those two payload types to
   OpenEnv's own ``CallToolAction`` / ``ListToolsAction``, so one server accepts
   both plain echo actions and tool calls, like envport's ``echo-v1``.
-* ``reset_async`` / ``step_async`` are overridden with inline coroutines (the
-  documented way to give OpenEnv "a true async implementation"). Without them a
-  plain step would hop to a worker thread per call; with them the benchmark
-  compares server overhead, the strongest OpenEnv baseline for a trivial env.
-  ``--threaded-steps`` keeps OpenEnv's default thread-pool path instead.
+* Two flavours of the same environment:
+
+  - ``EchoEnvironment`` (the default here, and what the tests use) overrides
+    ``reset_async`` / ``step_async`` with inline coroutines (the documented way to
+    give OpenEnv "a true async implementation"): no thread hop per call, the
+    strongest OpenEnv baseline for a trivial env.
+  - ``SyncEchoEnvironment`` (``--sync-env``) is written the standard OpenEnv way:
+    only the sync ``reset`` / ``_step_impl``. OpenEnv then runs ``reset`` in the
+    session's executor thread and ``MCPEnvironment.step_async`` runs ``_step_impl``
+    in the loop's default thread pool, once per call. Tool calls take the same
+    FastMCP path in both.
 """
 
 from __future__ import annotations
@@ -101,11 +107,10 @@ def _build_tools() -> FastMCP:
     return mcp
 
 
-class EchoEnvironment(MCPEnvironment):
+class _EchoBase(MCPEnvironment):
     """Echoes each message back. Reward is 0.1 x the message length, capped at 1."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
-    THREADED_STEPS = False  # set by --threaded-steps
 
     def __init__(self) -> None:
         # One FastMCP server per environment, as OpenEnv's own examples do.
@@ -136,7 +141,14 @@ class EchoEnvironment(MCPEnvironment):
     def state(self) -> State:
         return self._state
 
-    # -- async fast path ---------------------------------------------------------
+
+class SyncEchoEnvironment(_EchoBase):
+    """The echo env written the standard OpenEnv way: sync hooks only (thread per call)."""
+
+
+class EchoEnvironment(_EchoBase):
+    """The echo env with OpenEnv's documented async fast path (inline coroutines)."""
+
     async def reset_async(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> EchoObservation:
@@ -145,19 +157,18 @@ class EchoEnvironment(MCPEnvironment):
     async def step_async(
         self, action: Action, timeout_s: float | None = None, **kwargs: Any
     ) -> Observation:
-        if self.THREADED_STEPS or isinstance(action, CallToolAction | ListToolsAction):
+        if isinstance(action, CallToolAction | ListToolsAction):
             # MCP actions: OpenEnv's MCPEnvironment routing (FastMCP client).
-            # Threaded mode: OpenEnv's default run_in_executor path for _step_impl.
             if isinstance(action, CallToolAction):
                 self._state.step_count += 1
             return await super().step_async(action, timeout_s=timeout_s, **kwargs)
         return self._step_impl(action, timeout_s=timeout_s, **kwargs)
 
 
-def build_app(max_concurrent_envs: int = 2048) -> Any:
+def build_app(max_concurrent_envs: int = 2048, *, sync_env: bool = False) -> Any:
     """The FastAPI app, built by OpenEnv's ``create_fastapi_app``."""
     return create_fastapi_app(
-        EchoEnvironment,
+        SyncEchoEnvironment if sync_env else EchoEnvironment,
         EchoAction,
         EchoObservation,
         max_concurrent_envs=max_concurrent_envs,
@@ -175,22 +186,26 @@ def main(argv: list[str] | None = None) -> None:
         help="OpenEnv session capacity (its own default is 1)",
     )
     parser.add_argument(
+        "--sync-env",
         "--threaded-steps",
         action="store_true",
-        help="step plain actions on OpenEnv's default worker-thread path",
+        help="serve the env written the standard way (sync hooks, a thread hop per call)",
     )
     parser.add_argument("--ws", default="auto", help="uvicorn WebSocket implementation")
+    parser.add_argument(
+        "--loop", default="auto", help="uvicorn event loop (auto: uvloop if installed)"
+    )
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
 
     import uvicorn
 
-    EchoEnvironment.THREADED_STEPS = args.threaded_steps
     uvicorn.run(
-        build_app(args.max_concurrent_envs),
+        build_app(args.max_concurrent_envs, sync_env=args.sync_env),
         host=args.host,
         port=args.port,
         ws=args.ws,
+        loop=args.loop,
         log_level=args.log_level,
         backlog=4096,
     )
