@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,58 +16,15 @@ import pytest
 import websockets
 from openenv.core.generic_client import GenericEnvClient
 
+from tests.support.processes import openenv_echo_argv, server_process
+
 SERVER_SCRIPT = Path(__file__).parent / "support" / "openenv_echo_server.py"
 STARTUP_TIMEOUT_S = 45.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start(log_path: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Start the server and wait (bounded) for GET /health; returns (process, base URL)."""
-    port = _free_port()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, str(SERVER_SCRIPT), "--port", str(port), *extra],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(timeout=1.0) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                if http.get(f"{base}/health").json() == {"status": "healthy"}:
-                    return proc, base
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-    _stop(proc)
-    pytest.fail(f"OpenEnv echo server did not become healthy:\n{log_path.read_text()}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def openenv_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    proc, base = _start(tmp_path_factory.mktemp("openenv") / "server.log")
-    try:
-        yield base
-    finally:
-        _stop(proc)
+def openenv_server(openenv_echo_url: str) -> str:
+    return openenv_echo_url  # tests/conftest.py starts it (tests/support/processes.py)
 
 
 def test_http_routes(openenv_server: str) -> None:
@@ -157,8 +109,8 @@ async def test_many_concurrent_sessions(openenv_server: str) -> None:
 
 
 async def test_capacity_reached_frame(tmp_path: Path) -> None:
-    proc, base = _start(tmp_path / "server.log", "--max-concurrent-envs", "1")
-    try:
+    argv = [*openenv_echo_argv(), "--max-concurrent-envs", "1"]
+    with server_process(argv, tmp_path / "server.log") as base:
         ws_url = base.replace("http://", "ws://") + "/ws"
         async with websockets.connect(ws_url) as first:
             await first.send(json.dumps({"type": "reset", "data": {}}))
@@ -170,5 +122,3 @@ async def test_capacity_reached_frame(tmp_path: Path) -> None:
                 with pytest.raises(websockets.ConnectionClosedOK):
                     await second.recv()
                 assert second.close_code == 1000
-    finally:
-        _stop(proc)

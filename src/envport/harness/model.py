@@ -22,7 +22,8 @@ import httpx
 import orjson
 
 from envport.errors import EnvportError
-from envport.trace import Choice, ModelCall, SamplingParams, Usage
+from envport.gateway.capture import parse_response
+from envport.trace import ModelCall, SamplingParams
 
 
 class ModelProviderError(EnvportError):
@@ -32,21 +33,6 @@ class ModelProviderError(EnvportError):
         super().__init__(message, status=status, retryable=retryable)
         self.status = status
         self.retryable = retryable
-
-
-def _choice(raw: dict[str, Any]) -> Choice:
-    token_ids = raw.get("token_ids")
-    logprobs_block = raw.get("logprobs") or {}
-    content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
-    logprobs = [float(item["logprob"]) for item in content] if content else None
-    if token_ids is not None and logprobs is not None and len(logprobs) != len(token_ids):
-        logprobs = None  # cannot align them one to one; record ids alone
-    return Choice(
-        index=int(raw.get("index", 0)),
-        finish_reason=raw.get("finish_reason"),
-        completion_token_ids=list(token_ids) if token_ids is not None else None,
-        completion_logprobs=logprobs,
-    )
 
 
 class ChatModel:
@@ -121,6 +107,8 @@ class ChatModel:
             raise ModelProviderError(
                 f"Model endpoint returned an invalid completion: {response.text[:300]!r}"
             ) from exc
+        # One parser of vLLM's token fields for the whole project (the gateway's).
+        choices, prompt_ids, usage, token_data = parse_response(payload)
         known = SamplingParams.model_fields
         call = ModelCall(
             model=self.model,
@@ -130,9 +118,10 @@ class ChatModel:
             sampling=SamplingParams(**{k: v for k, v in body.items() if k in known}),
             request=body,
             response=payload,
-            choices=[_choice(c) for c in payload["choices"]],
-            prompt_token_ids=payload.get("prompt_token_ids"),
-            usage=Usage(**payload["usage"]) if isinstance(payload.get("usage"), dict) else None,
+            choices=choices,
+            prompt_token_ids=prompt_ids,
+            usage=usage,
+            metadata=token_data,
             started_at=started,
             latency_s=latency,
         )
