@@ -1,0 +1,1 @@
+"""The rollout controller: pools, deadlines, retries and backends for environments."""
