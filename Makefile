@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first (a file on this kind of machine): once it is there,
+	# the extras' torch range is already satisfied and pip never pulls a CUDA build.
+	$(BIN)/pip install -q 'torch==2.13.0'
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
