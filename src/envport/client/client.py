@@ -60,7 +60,7 @@ class EnvClient:
         timeout_s: float = 60.0,
     ) -> EnvClient:
         """A client for a server URL or an in-process environment id (not yet opened)."""
-        remote = target.startswith(("ws://", "wss://", "http://", "https://"))
+        remote = target.startswith(("ws://", "wss://", "http://", "https://", "unix:"))
         if transport == "http":
             return cls(HTTPTransport(target, timeout_s=timeout_s))
         if transport == "ws" or (transport == "auto" and remote):

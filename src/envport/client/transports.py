@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import httpx
 import orjson
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from envport.errors import (
@@ -38,7 +38,19 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
+#: Base URLs of servers on a Unix socket: ``unix:/path/to/server.sock`` (the whole rest is
+#: the socket's path); the WebSocket then speaks ``ws://localhost/ws`` over that socket.
+UNIX_PREFIX = "unix:"
+
+
+def unix_socket_path(base_url: str) -> str | None:
+    """The socket path of a ``unix:`` base URL, else ``None``."""
+    return base_url[len(UNIX_PREFIX) :] if base_url.startswith(UNIX_PREFIX) else None
+
+
 def _ws_url(base_url: str) -> str:
+    if unix_socket_path(base_url) is not None:
+        return "ws://localhost/ws"
     url = base_url.rstrip("/")
     if url.startswith("http://"):
         url = "ws://" + url[len("http://") :]
@@ -70,6 +82,7 @@ class WebSocketTransport:
         resume_attempts: int = 5,
     ) -> None:
         self.url = _ws_url(base_url)
+        self.unix_path = unix_socket_path(base_url)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -93,14 +106,24 @@ class WebSocketTransport:
 
     async def _connect(self) -> None:
         try:
-            self._ws = await connect(
-                self.url,
-                open_timeout=self.connect_timeout_s,
-                max_size=self.max_frame_bytes,
-                compression=None,
-            )
+            if self.unix_path is not None:
+                self._ws = await unix_connect(
+                    self.unix_path,
+                    self.url,
+                    open_timeout=self.connect_timeout_s,
+                    max_size=self.max_frame_bytes,
+                    compression=None,
+                )
+            else:
+                self._ws = await connect(
+                    self.url,
+                    open_timeout=self.connect_timeout_s,
+                    max_size=self.max_frame_bytes,
+                    compression=None,
+                )
         except (OSError, InvalidStatus, TimeoutError) as exc:
-            raise ConnectionLostError(f"Cannot connect to {self.url}: {exc}") from exc
+            where = f"{self.url} on {self.unix_path}" if self.unix_path else self.url
+            raise ConnectionLostError(f"Cannot connect to {where}: {exc}") from exc
 
     async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
         """Send one frame and read until its reply (stale replies are dropped)."""

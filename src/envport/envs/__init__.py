@@ -7,6 +7,8 @@
 ``arithmetic-v1``   one arithmetic question, verifiable reward
 ``sql-db-v1``       answer a question about a SQLite database with SQL tools
 ``shell-v1``        a sandboxed bash workspace with Harbor's paths (Harbor tasks run here)
+``sandbox-v1``      a task's repository in an envport.sandbox sandbox: persistent shell,
+                    snapshot/restore reset, fork for trainers
 ==================  ==============================================================
 
 Entry points are import paths, so importing this package stays cheap: an environment's
@@ -44,6 +46,11 @@ def register_builtins() -> None:
         "shell-v1",
         "envport.envs.shell:ShellEnv",
         description="A bash workspace in a bubblewrap sandbox, laid out as a Harbor task's.",
+    )
+    register(
+        "sandbox-v1",
+        "envport.envs.sandbox_env:SandboxEnv",
+        description="A task's repository in an isolated sandbox with a persistent shell.",
     )
 
 

@@ -1,0 +1,213 @@
+"""The sandbox backend: each instance is an envport server inside an :mod:`envport.sandbox`.
+
+The server (``python -m envport.rollout.backends.sandbox ENV --uds PATH``, the same server
+``envport serve`` runs) lives in a sandbox with its own network namespace, so it cannot
+listen where the controller could reach it over TCP (and nothing else can reach it
+either: Ray-style "listens on all interfaces" does not apply). It listens on a Unix
+socket in the sandbox's ``/tmp`` instead, which the controller reaches through the
+sandbox init's root, ``/proc/<pid>/root/tmp/…``: the instance's URL is
+``unix:/proc/<pid>/root/tmp/envport-env.sock``, which :class:`~envport.client.EnvClient`
+speaks WebSocket over. The launch's limits become the sandbox's cgroup limits;
+``network=True`` shares the host's network.
+
+The sandbox binds the controller's Python (its prefix, the virtual environment, and
+envport's source directory) read-only, so the server runs the same code. Instances do
+not outlive the controller (a sandbox dies with its parent), so :meth:`list` reports the
+live instances this backend object started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+import envport
+from envport.rollout.backends.base import (
+    Backend,
+    BackendError,
+    BackendUnavailableError,
+    EnvInstance,
+    EnvLaunch,
+)
+from envport.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailableError
+
+SOCKET_NAME = "envport-env.sock"
+LOG_NAME = "envport-env.log"
+
+
+def python_binds() -> dict[str, Path]:
+    """Read-only binds that let the sandbox run this interpreter with envport importable."""
+    paths = {Path(sys.base_prefix), Path(sys.prefix), Path(envport.__file__).parent.parent}
+    binds: dict[str, Path] = {}
+    for path in sorted(p.resolve() for p in paths):
+        if str(path).startswith(("/usr", "/etc")) or str(path) == "/":
+            continue
+        if any(path.is_relative_to(Path(done)) for done in binds):
+            continue
+        binds[str(path)] = path
+    return binds
+
+
+class SandboxBackend(Backend):
+    """Environment servers in local sandboxes, reached over Unix sockets."""
+
+    name: ClassVar[str] = "sandbox"
+
+    def __init__(self, *, base: SandboxConfig | None = None, stop_grace_s: float = 2.0) -> None:
+        self.base = base or SandboxConfig()
+        self.stop_grace_s = stop_grace_s
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._instances: dict[str, EnvInstance] = {}
+
+    def _config(self, launch: EnvLaunch) -> SandboxConfig:
+        limits = launch.limits
+        update: dict[str, Any] = {
+            "network": launch.network,
+            "keep_background": True,
+            "ro_binds": {**python_binds(), **self.base.ro_binds},
+        }
+        for field in ("cpus", "memory_mb", "pids"):
+            value = getattr(limits, field)
+            if value is not None:
+                update[field] = value
+        if limits.disk_mb is not None:
+            update["disk_mb"] = limits.disk_mb
+        return SandboxConfig(**{**self.base.model_dump(), **update})
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        instance_id = f"sandbox-{uuid.uuid4().hex[:12]}"
+        t0 = time.perf_counter()
+        try:
+            sb = await Sandbox.create(self._config(launch))
+        except SandboxUnavailableError as exc:
+            raise BackendUnavailableError(f"the sandbox backend cannot run here: {exc}") from exc
+        except SandboxError as exc:
+            raise BackendError(f"could not start a sandbox for {launch.env_id!r}: {exc}") from exc
+        try:
+            init = sb.init_pid
+            if init is None:
+                raise BackendUnavailableError(
+                    "the sandbox backend needs isolated sandboxes (their own network "
+                    "namespace); this one runs unisolated"
+                )
+            socket = f"/proc/{init}/root/tmp/{SOCKET_NAME}"
+            argv = [sys.executable, "-m", "envport.rollout.backends.sandbox", launch.env_id]
+            argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--sessions", str(launch.sessions)]
+            argv += ["--options", json.dumps(launch.options), "--instance-id", instance_id]
+            started = await sb.exec(f"{shlex.join(argv)} > /tmp/{LOG_NAME} 2>&1 &")
+            if started.exit_code != 0:
+                raise BackendError(f"could not launch the server: {started.stderr.strip()}")
+            instance = EnvInstance(
+                instance_id=instance_id,
+                backend=self.name,
+                env_id=launch.env_id,
+                url=f"unix:{socket}",
+                labels=dict(launch.labels),
+                meta={"sandbox_id": sb.id, "init_pid": init, "socket": socket},
+            )
+            await self._wait_ready(sb, instance, launch.start_timeout_s)
+        except BaseException:
+            await sb.close()
+            raise
+        instance.start_latency_s = time.perf_counter() - t0
+        self._sandboxes[instance_id] = sb
+        self._instances[instance_id] = instance
+        return instance
+
+    async def _wait_ready(self, sb: Sandbox, instance: EnvInstance, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await _health(instance):
+            if (sb.stats()["pids"] or 0) <= 2:  # the server process is gone
+                log = await sb.exec(f"tail -c 2000 /tmp/{LOG_NAME}")
+                raise BackendError(
+                    f"environment server for {instance.env_id!r} exited before it was "
+                    f"ready:\n{log.stdout}"
+                )
+            if time.monotonic() > deadline:
+                raise BackendError(
+                    f"environment server for {instance.env_id!r} did not answer /health "
+                    f"within {timeout_s:g} s"
+                )
+            await asyncio.sleep(0.05)
+
+    async def healthy(self, instance: EnvInstance) -> bool:
+        sb = self._sandboxes.get(instance.instance_id)
+        if sb is None or sb.status.value == "closed":
+            return False
+        return await _health(instance)
+
+    async def stop(self, instance: EnvInstance) -> None:
+        sb = self._sandboxes.pop(instance.instance_id, None)
+        self._instances.pop(instance.instance_id, None)
+        if sb is not None:
+            await sb.close()  # kills the whole sandbox: server, children, mounts, cgroups
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
+        want = dict(labels or {})
+        return [
+            instance
+            for instance in self._instances.values()
+            if all(instance.labels.get(k) == v for k, v in want.items())
+        ]
+
+    async def aclose(self) -> None:
+        for instance in list(self._instances.values()):
+            await self.stop(instance)
+
+
+async def _health(instance: EnvInstance) -> bool:
+    """``GET /health`` over the instance's Unix socket; never raises."""
+    socket = str(instance.meta.get("socket", ""))
+    with contextlib.suppress(httpx.HTTPError, OSError):
+        transport = httpx.AsyncHTTPTransport(uds=socket)
+        async with httpx.AsyncClient(transport=transport, timeout=2.0) as client:
+            reply = await client.get("http://localhost/health")
+            return reply.status_code == 200
+    return False
+
+
+# --- the server process (runs inside the sandbox) -----------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve one environment on a Unix socket (what ``envport serve`` does over TCP)."""
+    parser = argparse.ArgumentParser(prog="python -m envport.rollout.backends.sandbox")
+    parser.add_argument("env", help="environment id or module:Class")
+    parser.add_argument("--uds", required=True, help="Unix socket path to listen on")
+    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--options", default="{}", help="JSON keyword arguments for the env")
+    parser.add_argument("--instance-id", default="", help="names the process")
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    from envport.registry import spec
+    from envport.server import ServerConfig, create_app, uvicorn_config
+
+    found = spec(args.env)
+    cls = found.load()
+    kwargs: dict[str, Any] = {**found.kwargs, **json.loads(args.options)}
+
+    def factory() -> Any:
+        return cls(**kwargs)
+
+    factory.__name__ = found.id
+    config = ServerConfig(max_sessions=max(2 * args.sessions, args.sessions + 4))
+    uv = uvicorn_config(create_app(factory, config), host="127.0.0.1", port=0, config=config)
+    uv.uds = args.uds  # a Unix socket instead of TCP: the sandbox has no shared network
+    uvicorn.Server(uv).run()
+
+
+if __name__ == "__main__":
+    main()

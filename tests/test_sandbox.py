@@ -1,0 +1,495 @@
+"""``envport.sandbox``: real bubblewrap sandboxes, real mounts, real cgroups.
+
+Each test gets its own runtime directory; a fixture checks after every test that no
+mount is left under it and no sandbox cgroup is left in any controller. The isolated
+tests are skipped (with the reason) where :func:`probe` says isolation is unavailable;
+the unisolated fallback and its refusal are tested everywhere by replacing the probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from envport.sandbox import (
+    Isolation,
+    Sandbox,
+    SandboxClosedError,
+    SandboxConfig,
+    SandboxError,
+    SandboxPathError,
+    SandboxPool,
+    SandboxUnavailableError,
+    probe,
+)
+from envport.sandbox import sandbox as sandbox_mod
+from envport.sandbox.cgroups import own_cgroups
+from envport.sandbox.mounts import mounted_under
+from envport.sandbox.sandbox import cleanup_stale
+
+ISOLATION = probe()
+needs_isolation = pytest.mark.skipif(
+    not ISOLATION.isolated, reason=f"no sandbox isolation here: {ISOLATION.explain()}"
+)
+
+
+def _sandbox_cgroups() -> list[Path]:
+    """This process's sandbox cgroups (other processes may run sandboxes meanwhile)."""
+    found: list[Path] = []
+    for directory in own_cgroups().values():
+        found += directory.glob(f"envport-{os.getpid()}-*")
+    return found
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[Path]:
+    """A runtime dir for this test; afterwards nothing may be left mounted or grouped."""
+    rt = tmp_path / "rt"
+    yield rt
+    assert mounted_under(tmp_path) == [], "a sandbox left mounts behind"
+    assert _sandbox_cgroups() == [], "a sandbox left cgroups behind"
+    leftovers = [p.name for p in rt.iterdir()] if rt.exists() else []
+    assert leftovers == [], f"a sandbox left files behind: {leftovers}"
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A small task repository with a test script."""
+    root = tmp_path / "repo"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "value.txt").write_text("1\n")
+    (root / "test.sh").write_text('#!/bin/bash\n[ "$(cat src/value.txt)" = 2 ]\n')
+    (root / "test.sh").chmod(0o755)
+    return root
+
+
+def gone(pids: list[int]) -> bool:
+    """No process with any of these pids is left (not even a zombie)."""
+    return not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+def cfg(runtime: Path, **fields: object) -> SandboxConfig:
+    return SandboxConfig(runtime_dir=runtime, **fields)  # type: ignore[arg-type]
+
+
+# --- commands --------------------------------------------------------------------------
+
+
+@needs_isolation
+async def test_exec_separates_streams_and_keeps_shell_state(runtime: Path, repo: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
+        assert sb.isolated
+        result = await sb.exec("echo out; echo err >&2; cd src; export X=7; Y=8; false")
+        assert (result.exit_code, result.stdout, result.stderr) == (1, "out\n", "err\n")
+        assert not result.timed_out
+        assert not result.shell_restarted
+        again = await sb.exec('pwd; echo "$X$Y"; cat value.txt; printf no-newline')
+        assert again.stdout == "/workspace/src\n78\n1\nno-newline"
+        quoted = await sb.exec("echo 'it'\"'\"'s'; cat <<'EOF'\n$HOME\nEOF")
+        assert quoted.stdout == "it's\n$HOME\n"
+        syntax = await sb.exec("if then fi")
+        assert syntax.exit_code == 2
+        assert "syntax error" in syntax.stderr
+        assert (await sb.exec("echo ok")).stdout == "ok\n"  # still in sync
+
+
+@needs_isolation
+async def test_output_is_capped_and_marked(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, max_output_bytes=1000)) as sb:
+        result = await sb.exec("head -c 50000 /dev/zero | tr '\\0' x; echo; echo tail")
+        assert result.truncated
+        assert len(result.stdout) == 1000
+        assert "49006 more bytes of stdout dropped" in result.stderr
+        assert (await sb.exec("echo next")).stdout == "next\n"
+
+
+@needs_isolation
+async def test_timeout_kills_the_command_tree_and_keeps_the_shell(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.exec("cd /tmp; KEEP=1")
+        result = await sb.exec("sleep 30 & setsid sleep 30 & sleep 30; sleep 30; echo next", 0.3)
+        assert result.timed_out
+        assert result.exit_code == 124
+        assert "killed after its 0.3 s timeout" in result.stderr
+        assert result.stdout == "next\n"
+        assert not result.shell_restarted
+        after = await sb.exec("pwd; echo $KEEP; ps -e -o comm= | grep -c sleep")
+        assert after.stdout == "/tmp\n1\n0\n"  # shell state kept; no sleep survived
+
+
+@needs_isolation
+async def test_hung_shell_and_exiting_shell_are_restarted_and_reported(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.write_file("kept.txt", "still here")
+        hung = await sb.exec("cd /tmp; while :; do :; done", timeout_s=0.3)
+        assert hung.timed_out
+        assert hung.shell_restarted
+        assert hung.exit_code == 124
+        assert "fresh shell" in hung.stderr
+        exited = await sb.exec("exit 7")
+        assert exited.exit_code == 7
+        assert exited.shell_restarted
+        assert "the shell exited (status 7)" in exited.stderr
+        after = await sb.exec("pwd; cat kept.txt")
+        assert after.stdout == "/workspace\nstill here"
+        assert sb.restarts == 2
+
+
+@needs_isolation
+async def test_background_processes_are_killed_unless_kept(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.exec("sleep 30 &")
+        assert sb.stats()["pids"] == 2  # bwrap's init and the shell
+    async with await Sandbox.create(cfg(runtime, keep_background=True)) as sb:
+        await sb.exec("sleep 30 &")
+        assert sb.stats()["pids"] == 3
+        pids = sb.process_ids()
+    assert gone(pids)
+
+
+# --- faults: limits and isolation ---------------------------------------------------------
+
+
+@needs_isolation
+async def test_fork_bomb_hits_the_pids_limit(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, pids=40)) as sb:
+        result = await sb.exec("for i in $(seq 60); do sleep 20 & done", timeout_s=2)
+        assert "fork: retry" in result.stderr or "Resource temporarily unavailable" in (
+            result.stderr
+        )
+        bomb = await sb.exec("bomb() { bomb | bomb & }; bomb", timeout_s=2)
+        assert bomb.exit_code in (0, 124)
+        assert (await sb.exec("echo alive")).stdout == "alive\n"
+        assert sb.stats()["pids"] == 2
+
+
+@needs_isolation
+async def test_memory_hog_is_oom_killed_and_reported(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, memory_mb=64)) as sb:
+        result = await sb.exec(
+            "python3 -c 'b = bytearray(512 * 1024 * 1024); print(len(b))'", timeout_s=20
+        )
+        assert result.oom_killed
+        assert result.exit_code == 137
+        assert "out of memory (limit 64 MB)" in result.stderr
+        assert (await sb.exec("echo alive")).stdout == "alive\n"
+
+
+@needs_isolation
+async def test_disk_fill_gets_enospc(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, disk_mb=4, tmp_mb=2)) as sb:
+        result = await sb.exec("dd if=/dev/zero of=big bs=1M count=16")
+        assert result.exit_code != 0
+        assert "No space left on device" in result.stderr
+        tmp = await sb.exec("dd if=/dev/zero of=/tmp/big bs=1M count=16")
+        assert "No space left on device" in tmp.stderr
+        await sb.exec("rm big")
+        with pytest.raises(SandboxError, match="workspace is full"):
+            await sb.write_file("big.bin", b"x" * (8 * 1024 * 1024))
+        assert (await sb.exec("echo alive > a; cat a")).stdout == "alive\n"
+
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """A TCP server on the host's loopback, which a sandbox must not reach."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    thread.join()
+    srv.close()
+
+
+@needs_isolation
+async def test_network_is_unreachable(runtime: Path, host_server: int) -> None:
+    probe_cmd = f"(echo > /dev/tcp/127.0.0.1/{host_server}) 2>&1 && echo reached"
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        local = await sb.exec(probe_cmd)
+        assert "reached" not in local.stdout
+        assert "refused" in local.stdout
+        outside = await sb.exec("(echo > /dev/tcp/1.1.1.1/80) 2>&1 && echo reached")
+        assert "reached" not in outside.stdout
+        assert "unreachable" in outside.stdout
+        assert (await sb.exec("ls /sys/class/net 2>/dev/null; cat /proc/net/dev")).stdout
+    async with await Sandbox.create(cfg(runtime, network=True)) as sb:
+        assert "reached" in (await sb.exec(probe_cmd)).stdout
+
+
+@needs_isolation
+async def test_writes_outside_the_workspace_never_reach_the_host(
+    runtime: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "host-file"
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        for path in ("/x", "/usr/x", "/etc/x", str(marker)):
+            result = await sb.exec(f"echo pwned > {path}")
+            assert result.exit_code != 0, path
+        assert (await sb.exec("mount -o remount,rw /; umount /workspace")).exit_code != 0
+        assert not await asyncio.to_thread(marker.exists)
+        assert not await asyncio.to_thread(Path("/usr/x").exists)
+        await sb.exec("ln -s /etc/passwd link; ln -s ../../.. up")
+        for bad in ("/etc/passwd", "../etc/passwd", "link", "up/etc/hostname", ""):
+            with pytest.raises(SandboxPathError):
+                await sb.read_file(bad)
+        with pytest.raises(SandboxPathError):
+            await sb.write_file("/tmp/x", "no")
+        with pytest.raises(FileNotFoundError):
+            await sb.read_file("missing.txt")
+
+
+# --- snapshot, restore, reset, fork -------------------------------------------------------
+
+
+@needs_isolation
+async def test_snapshot_restore_and_reset(runtime: Path, repo: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
+        await sb.exec("echo 2 > src/value.txt; rm test.sh; mkdir -p d/e; echo x > d/e/f; cd d")
+        assert (await sb.exec("cd /workspace && ./test.sh")).exit_code == 127
+        snap = await sb.snapshot()
+        await sb.exec("cd /workspace; rm -r d; echo 3 > src/value.txt; touch new; VAR=kept")
+        await sb.restore(snap)
+        listing = await sb.exec("pwd; cat src/value.txt; ls; echo $VAR")
+        assert listing.stdout == "/workspace\n2\nd\nsrc\nkept\n"
+        await sb.restore(snap.id)  # twice, by id: the snapshot itself never changed
+        assert (await sb.exec("cat d/e/f")).stdout == "x\n"
+        await sb.exec("cd d/e; export VAR=changed; echo junk > /tmp/junk")
+        await sb.reset()
+        fresh = await sb.exec("pwd; cat src/value.txt; echo ${VAR:-unset}; ls /tmp | wc -l")
+        assert fresh.stdout == "/workspace\n1\nunset\n0\n"
+        assert (await sb.exec("./test.sh")).exit_code == 1  # the task's own state again
+        assert (repo / "src" / "value.txt").read_text() == "1\n"  # base untouched
+        with pytest.raises(SandboxError, match="unknown snapshot"):
+            await sb.restore("nope")
+
+
+@needs_isolation
+async def test_reset_cleans_the_shell_in_place(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, env={"TASK": "t1"})) as sb:
+        pid = sb.process_ids()
+        await sb.exec(
+            "f() { :; }; alias ll=ls; shopt -s nullglob; set -o noclobber; umask 077; "
+            "export TASK=changed NEW=1; trap 'echo bye' EXIT; pushd /tmp"
+        )
+        await sb.reset()
+        state = await sb.exec(
+            'echo "$TASK ${NEW:-unset}"; type f ll 2>&1 | wc -l; shopt -q nullglob || echo g;'
+            " [[ -o noclobber ]] || echo c; umask; trap -p | wc -l; dirs; pwd"
+        )
+        assert state.stdout == "t1 unset\n2\ng\nc\n0022\n0\n~\n/workspace\n"  # HOME is the workdir
+        assert sb.process_ids() == pid  # the same processes: nothing restarted
+        await sb.exec("readonly LOCKED=1")
+        await sb.reset()  # cannot unset a read-only variable: the shell is replaced
+        assert (await sb.exec("echo ${LOCKED:-gone} $TASK")).stdout == "gone t1\n"
+
+
+@needs_isolation
+async def test_fork_copies_workspace_and_shell_state(runtime: Path, repo: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
+        await sb.exec(
+            "mkdir -p work && cd work && echo parent > f && export E='a b' && L=$'x\\ny' "
+            "&& arr=(1 'two 2') && greet() { echo hi $1; } && shopt -s nullglob"
+        )
+        before = await sb.snapshot()
+        children = await sb.fork(3)
+        try:
+            for i, child in enumerate(children):
+                assert child.isolated
+                assert child.id != sb.id
+                got = await child.exec(
+                    'pwd; cat f; echo "$E|$L|${arr[1]}"; greet k; shopt -q nullglob && echo on'
+                )
+                assert got.stdout == "/workspace/work\nparent\na b|x\ny|two 2\nhi k\non\n"
+                await child.exec(f"echo child{i} > f; rm ../src/value.txt")
+            for i, child in enumerate(children):
+                assert (await child.exec("cat f")).stdout == f"child{i}\n"
+            assert (await sb.exec("cat f; ls ../src")).stdout == "parent\nvalue.txt\n"
+            grand = (await children[0].fork(1))[0]
+            assert (await grand.exec("cat f; pwd")).stdout == "child0\n/workspace/work\n"
+            await grand.restore(before)  # a snapshot taken before the fork
+            assert (await grand.exec("cat f; ls ../src")).stdout == "parent\nvalue.txt\n"
+            await grand.reset()
+            assert (await grand.exec("ls")).stdout == "src\ntest.sh\n"
+            await grand.close()
+        finally:
+            for child in children:
+                await child.close()
+        assert (await sb.exec("cat f")).stdout == "parent\n"
+
+
+@needs_isolation
+async def test_snapshots_keep_deletions_and_replaced_directories(runtime: Path, repo: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
+        # A deleted file (a whiteout), a directory replaced by a new one (opaque), a
+        # symlink, a fifo, an executable bit, and an attribute change on a base file.
+        await sb.exec(
+            "rm test.sh && rm -r src && mkdir src && echo new > src/other && "
+            "ln -s src/other link && mkfifo pipe && echo '#!/bin/sh' > run && chmod 700 run"
+        )
+        snap = await sb.snapshot()
+        await sb.reset()
+        assert (await sb.exec("ls")).stdout == "src\ntest.sh\n"
+        await sb.restore(snap)
+        listing = await sb.exec("ls; ls src; cat link; stat -c %a run; [ -p pipe ] && echo fifo")
+        assert listing.stdout == "link\npipe\nrun\nsrc\nother\nnew\n700\nfifo\n"
+        (child,) = await sb.fork(1)  # a layer over a layer: still the same view
+        assert (await child.exec("ls; ls src")).stdout == "link\npipe\nrun\nsrc\nother\n"
+        await child.close()
+
+
+@needs_isolation
+async def test_many_snapshots_flatten_and_stay_correct(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        snaps = []
+        for i in range(sandbox_mod.MAX_LAYERS + 3):
+            await sb.exec(f"echo {i} > f{i}; rm -f f{i - 2}")
+            snaps.append(await sb.snapshot())
+            await sb.restore(snaps[-1])
+        assert (await sb.exec("ls | tr '\\n' ' '")).stdout == "f25 f26 "
+        await sb.restore(snaps[3])
+        assert (await sb.exec("ls | tr '\\n' ' '")).stdout == "f2 f3 "
+
+
+@needs_isolation
+async def test_a_pool_hands_out_started_sandboxes_for_any_task(runtime: Path, repo: Path) -> None:
+    async with SandboxPool(cfg(runtime), size=2) as pool:
+        sb = await pool.create(workspace=repo)
+        try:
+            assert sb.pool is pool
+            assert (await sb.exec("pwd; cat src/value.txt")).stdout == "/workspace\n1\n"
+            await sb.exec("echo 2 > src/value.txt; cd src; export V=1")
+            (child,) = await sb.fork(1)
+            assert child.pool is pool
+            assert (await child.exec("pwd; cat value.txt; echo $V")).stdout == (
+                "/workspace/src\n2\n1\n"
+            )
+            await child.reset()
+            assert (await child.exec("cat src/value.txt")).stdout == "1\n"
+            await child.close()
+            empty = await pool.create()
+            assert (await empty.exec("ls | wc -l")).stdout == "0\n"
+            await empty.close()
+        finally:
+            await sb.close()
+        with pytest.raises(SandboxError, match="another shape"):
+            await pool.take(cfg(runtime, memory_mb=7))
+    assert pool.idle == 0
+    with pytest.raises(SandboxError, match="closed"):
+        await pool.create()
+
+
+# --- lifecycle and fallback ---------------------------------------------------------------
+
+
+@needs_isolation
+async def test_close_is_idempotent_and_final(runtime: Path) -> None:
+    sb = await Sandbox.create(cfg(runtime))
+    pids = sb.process_ids()
+    await sb.close()
+    await sb.close()
+    assert gone(pids)
+    with pytest.raises(SandboxClosedError):
+        await sb.exec("true")
+    with pytest.raises(SandboxClosedError):
+        await sb.fork()
+
+
+@needs_isolation
+async def test_failed_start_leaves_nothing(runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sandbox_mod.Sandbox, "_bwrap_argv", lambda self, i, b: ["false"])
+    with pytest.raises(SandboxError, match="bwrap could not start"):
+        await Sandbox.create(cfg(runtime))
+
+
+STALE_OWNER = """
+import asyncio, os, signal, sys
+from pathlib import Path
+from envport.sandbox import Sandbox, SandboxConfig
+
+async def main():
+    sb = await Sandbox.create(SandboxConfig(runtime_dir=Path(sys.argv[1])))
+    await sb.exec("echo x > f")
+    await sb.snapshot()
+    print(sb.id, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all
+
+asyncio.run(main())
+"""
+
+
+@needs_isolation
+async def test_what_a_killed_controller_left_is_cleaned_up(runtime: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", STALE_OWNER, str(runtime), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == -9
+    sid = out.decode().strip()
+    assert mounted_under(runtime / f"S{sid}")  # left behind, as a SIGKILL leaves it
+    removed = await asyncio.to_thread(cleanup_stale, runtime)
+    assert f"S{sid}" in removed
+    assert f"envport-{sid}" in removed
+    assert any(name.startswith("L") for name in removed)  # the snapshot's layer
+
+
+def test_bad_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="would hide the sandbox's own /usr"):
+        SandboxConfig(workdir="/usr/src")
+    with pytest.raises(ValueError, match="is not a directory"):
+        SandboxConfig(workspace=tmp_path / "missing")
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxConfig(memory_mb=0)
+
+
+async def test_without_isolation_it_refuses_unless_allowed(
+    runtime: Path, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = Isolation(None, ("bubblewrap (`bwrap`) is not installed",))
+    monkeypatch.setattr(sandbox_mod, "probe", lambda: missing)
+    with pytest.raises(SandboxUnavailableError, match=r"not installed.*allow_unisolated=True"):
+        await Sandbox.create(cfg(runtime, workspace=repo))
+    async with await Sandbox.create(cfg(runtime, workspace=repo, allow_unisolated=True)) as sb:
+        assert not sb.isolated
+        result = await sb.exec('echo 2 > src/value.txt; cd src; echo "$ENVPORT_UNISOLATED"')
+        assert result.stdout == "1\n"
+        snap = await sb.snapshot()
+        await sb.exec("rm value.txt")
+        await sb.restore(snap)
+        assert (await sb.exec("cat value.txt")).stdout == "2\n"
+        child = (await sb.fork(1))[0]
+        assert (await child.exec("pwd")).stdout.endswith("/ws/src\n")
+        await child.close()
+        hung = await sb.exec("sleep 30", timeout_s=0.2)
+        assert hung.timed_out
+        assert not hung.shell_restarted
+        await sb.reset()
+        assert (await sb.exec("cat src/value.txt")).stdout == "1\n"
+    assert (repo / "src" / "value.txt").read_text() == "1\n"
+
+
+@needs_isolation
+async def test_concurrent_execs_are_serialised(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        results = await asyncio.gather(*(sb.exec(f"echo {i}") for i in range(20)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(20)]
+        assert await asyncio.to_thread(os.path.ismount, sb.host_workdir)

@@ -1,0 +1,66 @@
+"""``SandboxBackend``: real envport servers inside real sandboxes, on Unix sockets.
+
+The client reaches each server over ``unix:/proc/<pid>/root/tmp/…`` (the sandbox has its
+own network namespace); stopping an instance removes its sandbox entirely.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from envport.client.client import EnvClient
+from envport.errors import ConnectionLostError
+from envport.rollout.backends.base import BackendError, EnvLaunch, Limits
+from envport.rollout.backends.sandbox import SandboxBackend
+from envport.sandbox import probe
+from envport.sandbox.cgroups import own_cgroups
+from envport.sandbox.mounts import mounted_under
+
+ISOLATION = probe()
+pytestmark = pytest.mark.skipif(
+    not ISOLATION.isolated, reason=f"no sandbox isolation here: {ISOLATION.explain()}"
+)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("ENVPORT_SANDBOX_DIR", str(tmp_path / "rt"))
+    yield
+    assert mounted_under(tmp_path) == [], "mounts left behind"
+    assert not [p for d in own_cgroups().values() for p in d.glob(f"envport-{os.getpid()}-*")]
+
+
+async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None:
+    async with SandboxBackend() as backend:
+        launch = EnvLaunch(
+            env_id="echo-v1", labels={"run": "r1"}, limits=Limits(memory_mb=512, pids=64)
+        )
+        instance = await backend.start(launch)
+        assert instance.url is not None
+        assert instance.url.startswith("unix:/proc/")
+        assert instance.start_latency_s is not None
+        assert await backend.healthy(instance)
+        async with instance.client() as client:
+            await client.reset()
+            result = await client.step({"message": "hi"})
+            assert result.observation["echoed_message"] == "hi"
+        assert await backend.list({"run": "r1"}) == [instance]
+        assert await backend.list({"run": "other"}) == []
+        await backend.stop(instance)
+        await backend.stop(instance)  # idempotent
+        assert not await backend.healthy(instance)
+        assert await backend.list() == []
+        with pytest.raises(ConnectionLostError, match="Cannot connect"):
+            async with EnvClient.connect(instance.url):
+                pass
+
+
+async def test_a_server_that_cannot_start_is_reported_and_removed() -> None:
+    async with SandboxBackend() as backend:
+        with pytest.raises(BackendError, match="exited before it was ready"):
+            await backend.start(EnvLaunch(env_id="no_such_module:Env", start_timeout_s=30))
+        assert await backend.list() == []
