@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench clean trainers-venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -14,10 +14,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# verl and skyrl-train pin what .venv cannot hold (transformers < 5.11, ray 2.51.1), so
+# their adapters' contract tests (tests/test_adapters_trainers.py) run in this venv,
+# installed from exact pins with --no-deps (no resolver run; CPU torch from the local file).
+TRAINERS := .venvs/trainers
+TRAINERS_STAMP := $(TRAINERS)/.installed
+
+$(TRAINERS_STAMP): .ci/trainers.txt pyproject.toml
+	test -x $(TRAINERS)/bin/python || $(PY) -m venv $(TRAINERS)
+	$(TRAINERS)/bin/pip install -q --no-deps --no-compile --ignore-requires-python -r .ci/trainers.txt
+	$(TRAINERS)/bin/pip install -q --no-deps -e .
+	touch $(TRAINERS_STAMP)
+
+trainers-venv: $(TRAINERS_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/python -m envport.demo
 
-test: $(STAMP)
+test: $(STAMP) $(TRAINERS_STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -q
@@ -32,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/step_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TRAINERS) .pytest_cache .mypy_cache .ruff_cache

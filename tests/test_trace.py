@@ -274,17 +274,17 @@ def test_serialised_traces_validate_against_the_published_schema() -> None:
 def test_store_is_a_trace_store_in_wal_mode(tmp_path: Path) -> None:
     with store_at(tmp_path) as store:
         assert isinstance(store, TraceStore)
-        assert store.schema_version == 1
+        assert store.schema_version == 2
     conn = sqlite3.connect(tmp_path / "traces.db")
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         rows = conn.execute("SELECT version, description FROM schema_migrations").fetchall()
-        assert rows == [(1, "runs and traces")]
+        assert rows == [(1, "runs and traces"), (2, "rollout and attempt state (envport.rollout)")]
     finally:
         conn.close()
     # Reopening applies nothing twice.
     with store_at(tmp_path) as store:
-        assert store.schema_version == 1
+        assert store.schema_version == 2
 
 
 def test_store_refuses_a_database_from_a_newer_envport(tmp_path: Path) -> None:

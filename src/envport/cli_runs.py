@@ -284,21 +284,54 @@ def traces_show(
         out.print(transcript(trace))
 
 
+EXPORT_FORMATS = ("trace", "rows", "prime-rl", "art")
+
+
 @traces_app.command("export")
 def traces_export(
     path: Annotated[Path, typer.Argument(help="Output file: .jsonl or .parquet.")],
     store: StoreOpt = DEFAULT_STORE,
     run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="trace (whole traces), rows (token-exact training rows), prime-rl (rows in "
+            "prime-rl's TrainingSample columns) or art (OpenPipe ART TrajectoryGroups, JSONL).",
+        ),
+    ] = "trace",
 ) -> None:
-    """Export traces to JSONL or Parquet (import back with `envport traces import`)."""
-    from envport.trace import export_traces
-
+    """Export traces, or the training data made from them, to JSONL or Parquet."""
+    if fmt not in EXPORT_FORMATS:
+        _fail(f"Unknown --format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
+    if fmt == "art" and path.suffix != ".jsonl":
+        _fail("--format art writes JSONL (one TrajectoryGroup a line): use a .jsonl path.")
     db = _open(store)
     try:
-        n = export_traces(db, path, run_id=run)
+        if fmt == "trace":
+            from envport.trace import export_traces
+
+            n = export_traces(db, path, run_id=run)
+            out.print(f"wrote {n} traces to {path}")
+            return
+        traces = db.query(run_id=run, limit=None)
     finally:
         db.close()
-    out.print(f"wrote {n} traces to {path}")
+    from envport import train
+
+    if fmt == "art":
+        n = train.write_art_jsonl(traces, path)
+        out.print(f"wrote {n} trajectory groups ({len(traces)} traces) to {path}")
+        return
+    result = train.build_all(traces)
+    rows = train.assign_advantages(result.rows)
+    shape: train.export.Shape = "prime-rl" if fmt == "prime-rl" else "envport"
+    if shape == "prime-rl":
+        rows = [r for r in rows if r.logprobs is not None]
+    writer = train.write_rows_parquet if path.suffix == ".parquet" else train.write_rows_jsonl
+    n = writer(rows, path, shape=shape)
+    out.print(train.summary_table(train.summarise([result])))
+    out.print(f"wrote {n} rows ({shape}) to {path}")
 
 
 @traces_app.command("import")

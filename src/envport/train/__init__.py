@@ -7,9 +7,12 @@ drop can carry, :mod:`envport.train.advantages` for group-relative advantages an
 
 from envport.train.advantages import assign_advantages, row_advantages
 from envport.train.export import (
+    art_trajectory,
+    art_trajectory_groups,
     read_rows_jsonl,
     read_rows_parquet,
     to_record,
+    write_art_jsonl,
     write_rows_jsonl,
     write_rows_parquet,
 )
@@ -31,6 +34,8 @@ __all__ = [
     "Decoder",
     "RowsResult",
     "TrainingRow",
+    "art_trajectory",
+    "art_trajectory_groups",
     "assign_advantages",
     "build_all",
     "build_rows",
@@ -40,6 +45,7 @@ __all__ = [
     "summarise",
     "summary_table",
     "to_record",
+    "write_art_jsonl",
     "write_rows_jsonl",
     "write_rows_parquet",
 ]

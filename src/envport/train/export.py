@@ -23,12 +23,16 @@ it against the prime-rl version in use. Rows without logprobs cannot be written 
 this shape (``completion_logprobs`` is required there).
 
 ``shape="art"``: OpenPipe ART trains from ``Trajectory`` objects (messages and choices)
-and tokenizes them itself; it has no public token-level input format. This shape
-mirrors the token fields of ART's internal ``TokenizedResult`` (``token_ids`` = prompt +
+and tokenizes them itself, reading exact ids where the choices carry vLLM's token
+fields: :func:`art_trajectory_groups` / :func:`write_art_jsonl` write ART's
+``TrajectoryGroup`` JSON with those fields filled from the rows (checked against the
+pydantic models of ``openpipe-art`` 0.5.23). The row shape ``art`` instead mirrors the
+token fields of ART's older internal ``TokenizedResult`` (``token_ids`` = prompt +
 completion, ``assistant_mask``, ``logprobs`` with NaN where no token was sampled,
 ``reward``, ``advantage``, ``prompt_length``) plus ``group_id``, for code that feeds ART's
 trainer below the trajectory layer. Assumption: read from public copies of ART's
-preprocessing code, not from a documented contract.
+preprocessing code, not from a documented contract (0.5.x tokenizes into
+``TokenizedTrajectory`` with per-token flags instead).
 
 JSONL is written with Python's ``json`` (``NaN`` / ``-Infinity`` as its literals, which
 Python, pandas and DuckDB read). Parquet needs pyarrow (``envport[parquet]``), imported
@@ -44,7 +48,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from envport.train.rows import TrainingRow
+from envport.trace.model import Message, Trace, TraceStatus
+from envport.train.rows import Decoder, TrainingRow, build_rows
 
 Shape = Literal["envport", "prime-rl", "art"]
 SHAPES: tuple[Shape, ...] = ("envport", "prime-rl", "art")
@@ -295,3 +300,162 @@ def read_rows_parquet(path: str | Path) -> Iterator[TrainingRow]:
     for batch in pq.ParquetFile(str(path)).iter_batches():
         for record in batch.to_pylist():
             yield from_record(record)
+
+
+# --- OpenPipe ART: Trajectory / TrajectoryGroup JSON ---------------------------------------
+
+_ART_FINISH = ("stop", "length", "tool_calls", "content_filter", "function_call")
+_Exact = tuple[list[int], list[int], list[float] | None]
+
+
+def _wire_tool_calls(message: Message) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": tc.id,
+            "type": "function",
+            "function": {
+                "name": tc.name,
+                "arguments": tc.raw_arguments or json.dumps(tc.arguments),
+            },
+        }
+        for tc in message.tool_calls
+    ]
+
+
+def _exact_calls(rows: Iterable[TrainingRow]) -> dict[str, _Exact]:
+    """``call id -> (prompt ids, sampled ids, logprobs)`` of every call merged into ``rows``."""
+    out: dict[str, _Exact] = {}
+    for row in rows:
+        for call_id, (start, end) in zip(row.call_ids, row.spans, strict=True):
+            prompt = row.prompt_ids + row.completion_ids[:start]
+            lps = None if row.logprobs is None else row.logprobs[start:end]
+            out[call_id] = (prompt, row.completion_ids[start:end], lps)
+    return out
+
+
+def _art_choice(message: Message, finish: str | None, exact: _Exact | None) -> dict[str, Any]:
+    """An assistant turn as the OpenAI ``Choice`` ART reads, with vLLM's token fields."""
+    calls = _wire_tool_calls(message)
+    wire: dict[str, Any] = {"role": "assistant", "content": message.text or None}
+    if calls:
+        wire["tool_calls"] = calls
+    if finish not in _ART_FINISH:
+        finish = "tool_calls" if calls else "stop"
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "message": wire}
+    choice["logprobs"] = None
+    if exact is not None:
+        prompt_ids, ids, lps = exact
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = ids
+        if lps is not None:
+            content: list[dict[str, Any]] = [
+                {"token": f"token_id:{t}", "bytes": None, "logprob": lp, "top_logprobs": []}
+                for t, lp in zip(ids, lps, strict=True)
+            ]
+            choice["logprobs"] = {"content": content, "refusal": None}
+    return choice
+
+
+def art_trajectory(trace: Trace, rows: Iterable[TrainingRow]) -> dict[str, Any]:
+    """One ART ``Trajectory`` (its ``messages_and_choices`` history) as JSON.
+
+    The conversation is the trace's last branch. Each assistant turn whose model call
+    was merged into ``rows`` becomes an OpenAI ``Choice`` carrying that call's exact
+    ``prompt_token_ids`` and ``token_ids`` (vLLM's field names, which ART reads) and
+    its logprobs (``token_id:N`` entries), all taken from the rows, so ART's tokenizer
+    uses the sampled ids rather than re-tokenizing. Turns of calls that are in no row
+    (unusable, see :mod:`envport.train.rows`) stay plain messages without token ids.
+    """
+    rows = list(rows)
+    exact = _exact_calls(rows)
+    finish = {c.id: c.finish_reason for c in trace.model_calls}
+    leaves = trace.leaves()
+    path = trace.path(leaves[-1].id) if leaves else []
+    items: list[dict[str, Any]] = []
+    for message in path:
+        call_id = message.model_call_id
+        if message.role == "assistant" and call_id:
+            items.append(_art_choice(message, finish.get(call_id), exact.get(call_id)))
+            continue
+        wire: dict[str, Any] = {"role": message.role, "content": message.text}
+        if message.tool_calls:
+            wire["tool_calls"] = _wire_tool_calls(message)
+        if message.tool_call_id:
+            wire["tool_call_id"] = message.tool_call_id
+        items.append(wire)
+    request = next((c.request for c in trace.model_calls if c.request), None) or {}
+    versions = [c.policy_version for c in trace.model_calls if isinstance(c.policy_version, int)]
+    return {
+        "messages_and_choices": items,
+        "tools": request.get("tools"),
+        "reward": float(trace.reward) if trace.reward is not None else 0.0,
+        "initial_policy_version": versions[0] if versions else None,
+        "final_policy_version": versions[-1] if versions else None,
+        "metrics": {
+            **{k: float(v) for k, v in trace.metrics.items()},
+            "envport_rows": len(rows),
+            "envport_exact_turns": sum(1 for m in path if m.model_call_id in exact),
+        },
+        "metadata": {
+            "trace_id": trace.trace_id,
+            "rollout_id": trace.rollout_id,
+            "task_id": trace.task_id,
+            "env_id": trace.env_id,
+            "group_id": trace.group_id,
+            "split_reasons": ",".join(r.split_reason for r in rows if r.split_reason),
+        },
+        "logs": [],
+    }
+
+
+def art_trajectory_groups(
+    traces: Iterable[Trace], *, tokenizer: Decoder | None = None
+) -> list[dict[str, Any]]:
+    """ART ``TrajectoryGroup`` JSON objects, one per ``group_id`` (in first-seen order).
+
+    A completed trace becomes a trajectory (:func:`art_trajectory`); one that failed, or
+    was not scored, goes into the group's ``exceptions`` (``type``, ``message``,
+    ``traceback``) as ART records a rollout that raised: never a trajectory with reward 0.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for trace in traces:
+        key = trace.group_id or trace.trace_id
+        group = groups.setdefault(
+            key,
+            {
+                "trajectories": [],
+                "exceptions": [],
+                "metadata": {"group_id": key},
+                "metrics": {},
+                "logs": [],
+            },
+        )
+        result = build_rows(trace, tokenizer=tokenizer)
+        if trace.status is TraceStatus.COMPLETED and trace.reward is not None:
+            group["trajectories"].append(art_trajectory(trace, result.rows))
+            continue
+        error = trace.errors[0] if trace.errors else None
+        group["exceptions"].append(
+            {
+                "type": (error.type or str(error.kind)) if error else "Unscored",
+                "message": (
+                    f"{trace.rollout_id}: {error.message}"
+                    if error
+                    else f"{trace.rollout_id}: status {trace.status}, no reward"
+                ),
+                "traceback": (error.traceback or "") if error else "",
+            }
+        )
+    return list(groups.values())
+
+
+def write_art_jsonl(
+    traces: Iterable[Trace], path: str | Path, *, tokenizer: Decoder | None = None
+) -> int:
+    """One ART ``TrajectoryGroup`` per line; returns how many groups."""
+    groups = art_trajectory_groups(traces, tokenizer=tokenizer)
+    with open(path, "w", encoding="utf-8") as f:
+        for group in groups:
+            f.write(json.dumps(group))
+            f.write("\n")
+    return len(groups)

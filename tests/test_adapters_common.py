@@ -1,0 +1,226 @@
+"""The pieces every trainer adapter shares, and the verl/SkyRL conversions, without trainers.
+
+The trainers' own code paths are exercised in test_adapters_trainers.py (their venv);
+here the conversions' edge cases run in .venv: cut responses and prompts, rollouts
+that gave no row, split rollouts, a token engine that misbehaves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from envport.policy.tokenizer import SPECIAL, ByteTokenizer
+from envport.tasks import load
+from envport.trace import Trace, TraceStatus
+from envport.train import TrainingRow
+from envport.train.adapters import (
+    Generated,
+    Rollout,
+    RolloutRunner,
+    TokenChatModel,
+    parse_tool_calls,
+    pick_row,
+)
+from envport.train.adapters.skyrl import output_lists, skyrl_dataset
+from envport.train.adapters.verl import output_fields, task_from_kwargs, verl_dataset
+from envport.train.rows import RowsResult
+
+TOK = ByteTokenizer()
+IM_END = SPECIAL["<|im_end|>"]
+
+
+def row(
+    n: int = 6,
+    *,
+    prompt: int = 4,
+    split: str | None = None,
+    fragment: int = 0,
+    logprobs: bool = True,
+    step_rewards: list[tuple[int, float]] | None = None,
+) -> TrainingRow:
+    mask = [1, 1, 0, 0, 1, 1][:n] + [1] * max(0, n - 6)
+    return TrainingRow(
+        prompt_ids=list(range(100, 100 + prompt)),
+        completion_ids=list(range(10, 10 + n)),
+        mask=mask,
+        logprobs=[-0.25 if m else 0.0 for m in mask] if logprobs else None,
+        reward=1.0,
+        step_rewards=step_rewards or [],
+        trace_id="t",
+        rollout_id="r",
+        policy_versions=[None, None],
+        num_turns=2,
+        spans=[(0, 2), (4, n)],
+        split_reason=split,
+        fragment=fragment,
+        num_fragments=2 if split else 1,
+        labels=[split] if split else [],
+        metadata={"finish_reasons": ["tool_calls", "stop"]},
+    )
+
+
+def rollout(*rows: TrainingRow, status: TraceStatus = TraceStatus.COMPLETED) -> Rollout:
+    trace = Trace(status=status, reward=1.0 if rows else None)
+    trace.reply("system", "s")
+    trace.reply("user", "u")
+    result = RowsResult(rows=list(rows), counts=Counter(rows=len(rows)))
+    return Rollout(trace=trace, result=result, row=pick_row(result))
+
+
+# --- picking a row ---------------------------------------------------------------------
+
+
+def test_pick_row_hands_over_one_fragment_never_a_merge() -> None:
+    first, last = row(6, split="retokenization_drift"), row(8, split="retokenization_drift")
+    result = RowsResult(rows=[first, last])
+    assert pick_row(result) is last
+    assert pick_row(result, "first") is first
+    assert pick_row(result, "longest") is last
+    assert pick_row(RowsResult()) is None
+    with pytest.raises(ValueError, match="fragment must be one of"):
+        pick_row(result, "merge")  # type: ignore[arg-type]
+
+
+# --- tool-call parsing ---------------------------------------------------------------------
+
+
+def test_parse_tool_calls_reads_both_layouts_and_guesses_nothing() -> None:
+    qwen = 'Let me try.\n<tool_call>\n{"name": "guess", "arguments": {"number": 5}}\n</tool_call>'
+    assert parse_tool_calls(qwen) == ("Let me try.", [("guess", '{"number": 5}')])
+    envport = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": "{}"}</tool_call>'
+    )
+    assert parse_tool_calls(envport) == (None, [("a", "{}"), ("b", "{}")])
+    broken = '<tool_call>{"name": "guess", "arguments": </tool_call>'
+    assert parse_tool_calls(broken) == (broken, [])
+    nameless = '<tool_call>{"arguments": {}}</tool_call>'
+    assert parse_tool_calls(nameless) == (nameless, [])
+    assert parse_tool_calls("just text") == ("just text", [])
+
+
+# --- TokenChatModel ----------------------------------------------------------------------
+
+
+async def test_token_chat_model_records_exact_ids_and_infers_finish_reasons() -> None:
+    answer = TOK.encode('<tool_call>{"name": "guess", "arguments": {"number": 3}}</tool_call>')
+    seen: list[list[int]] = []
+
+    async def engine(prompt_ids: list[int], sampling: dict[str, Any]) -> Generated:
+        seen.append(prompt_ids)
+        return Generated([*answer, IM_END], [-0.5] * (len(answer) + 1))
+
+    model = TokenChatModel(engine, TOK, sampling={"temperature": 0.5})
+    messages = [{"role": "user", "content": "go"}]
+    tools = [{"type": "function", "function": {"name": "guess", "parameters": {}}}]
+    call, message = await model.complete(messages, tools)
+    assert seen == [TOK.encode(TOK.apply_chat_template(messages, tools))]
+    assert call.prompt_token_ids == seen[0]
+    assert call.choices[0].completion_token_ids == [*answer, IM_END]
+    assert call.finish_reason == "tool_calls"
+    assert call.sampling.temperature == 0.5
+    assert message["tool_calls"][0]["function"] == {"name": "guess", "arguments": '{"number": 3}'}
+    # No end-of-turn token and the token budget spent: the turn was cut.
+    cut = TokenChatModel(
+        lambda p, s: _const(Generated(answer[:5], None)), TOK, sampling={"max_tokens": 5}
+    )
+    call, message = await cut.complete(messages, None)
+    assert call.finish_reason == "length"
+    assert call.choices[0].completion_logprobs is None
+
+
+async def _const(value: Generated) -> Generated:
+    return value
+
+
+async def test_engine_faults_fail_the_rollout_as_model_provider_errors() -> None:
+    from envport.harness.model import ModelProviderError
+
+    async def misaligned(prompt_ids: list[int], sampling: dict[str, Any]) -> Generated:
+        return Generated([1, 2, 3], [-0.1])
+
+    with pytest.raises(ModelProviderError, match="1 logprobs for 3 tokens"):
+        await TokenChatModel(misaligned, TOK).complete([{"role": "user", "content": "x"}])
+
+    async def crashing(prompt_ids: list[int], sampling: dict[str, Any]) -> Generated:
+        raise RuntimeError("engine died")
+
+    task = next(iter(load("builtin:guess-number").head(1)))
+    runner = RolloutRunner()
+    result = await runner.run(TokenChatModel(crashing, TOK), task, 0, "crash")
+    assert result.row is None
+    assert result.trace.status is TraceStatus.FAILED
+    assert result.trace.errors[0].kind == "model_provider"
+    assert "engine died" in result.trace.errors[0].message
+    assert runner.stats.counts["no_row"] == 1
+
+
+# --- verl ------------------------------------------------------------------------------
+
+
+def test_verl_fields_cut_long_responses_and_prompts_and_mask_missing_rows() -> None:
+    fields = output_fields(rollout(row(10)), response_length=5)
+    assert fields["response_ids"] == [10, 11, 12, 13, 14]
+    assert fields["response_mask"] == [1, 1, 0, 0, 1]
+    assert len(fields["response_logprobs"]) == 5
+    assert "truncated" in fields["extra_fields"]["envport_labels"]
+    fields = output_fields(rollout(row(6, prompt=8)), prompt_length=5)
+    assert fields["prompt_ids"] == [103, 104, 105, 106, 107]
+    assert fields["extra_fields"]["envport_prompt_truncated"] == 3
+    split = output_fields(rollout(row(6, split="truncated"), row(6, split="truncated", fragment=1)))
+    assert split["extra_fields"]["envport_split_reason"] == "truncated"
+    assert split["extra_fields"]["envport_num_fragments"] == 2
+    failed = output_fields(rollout(status=TraceStatus.FAILED), pad_id=256)
+    assert failed["response_ids"] == [256]
+    assert failed["response_mask"] == [0]
+    assert failed["reward_score"] == 0.0
+    assert failed["extra_fields"]["envport_status"] == "failed"
+
+
+def test_verl_dataset_rows_round_trip_their_task() -> None:
+    tasks = list(load("builtin:guess-number").head(2))
+    rows = verl_dataset(tasks)
+    assert [r["agent_name"] for r in rows] == ["envport", "envport"]
+    assert rows[1]["prompt"][-1] == {"role": "user", "content": tasks[1].prompt}
+    assert task_from_kwargs(rows[1]) == tasks[1]
+    assert task_from_kwargs({"extra_info": {"envport_task": tasks[0].model_dump()}}) == tasks[0]
+    with pytest.raises(ValueError, match="verl_dataset"):
+        task_from_kwargs({"extra_info": {"index": 3}})
+    json.dumps(rows)  # plain JSON: what a Parquet writer needs
+
+
+# --- SkyRL -----------------------------------------------------------------------------
+
+
+def test_skyrl_lists_align_and_mask_missing_rows() -> None:
+    out = output_lists(
+        [
+            rollout(row(6, step_rewards=[(1, 0.5)])),
+            rollout(status=TraceStatus.FAILED),
+            rollout(row(10)),
+        ],
+        max_response_length=8,
+        pad_id=256,
+    )
+    assert [len(r) for r in out["response_ids"]] == [6, 1, 8]
+    assert [len(m) for m in out["loss_masks"]] == [6, 1, 8]
+    assert out["loss_masks"][1] == [0]
+    assert out["rewards"][0] == [0, 0, 0, 0, 0, 1.0]  # the run's reward, on the last token
+    assert out["rewards"][1] == [0.0]
+    assert out["stop_reasons"] == ["stop", "error", "length"]
+    assert [len(lp) for lp in out["rollout_logprobs"]] == [6, 1, 8]
+    assert out["rollout_metrics"]["envport/no_row"] == 1
+    with_steps = output_lists([rollout(row(6, step_rewards=[(1, 0.5)]))], step_rewards=True)
+    assert with_steps["rewards"][0] == [0, 0.5, 0, 0, 0, 1.0]
+    without = output_lists([rollout(row(6)), rollout(row(6, logprobs=False))])
+    assert without["rollout_logprobs"] is None  # never a ragged mix
+
+
+def test_skyrl_dataset_carries_the_task() -> None:
+    (entry,) = skyrl_dataset(load("builtin:guess-number").head(1))
+    assert entry["env_class"] == "guess-number-v1"
+    assert json.loads(entry["envport_task"])["id"] == entry["uid"]
