@@ -290,9 +290,13 @@ def main() -> None:
 
 
 def _register_run_commands() -> None:
+    from envport.cli_rollout import register as register_rollout
     from envport.cli_runs import register
+    from envport.cli_train import register as register_train
 
     register(app)
+    register_train(app)
+    register_rollout(app)
 
 
 _register_run_commands()

@@ -1,38 +1,50 @@
 """``envport eval``: tasks x rollouts, run by the built-in agent, scored, stored.
 
-Each rollout has a deterministic id (``run/task/k``), so ``resume`` can finish an
-interrupted run without redoing what is already in the store. A rollout that fails is
-recorded with a classified error (``model_provider``, ``environment``, ``harness``,
-``rubric``, ``infrastructure``), status ``failed`` and no reward: it is data, never a
-zero, and never stops its siblings.
+The evaluator is a thin layer over the rollout controller (:mod:`envport.rollout`), so
+evaluation and training collection share one engine: deterministic rollout ids
+(``run/task/k``), ``resume`` finishing an interrupted run without redoing what is already
+final in the store, retries of infrastructure failures on a fresh environment, stage
+deadlines and hang detection. A rollout that fails is recorded with a classified error
+(``model_provider``, ``environment``, ``harness``, ``rubric``, ``infrastructure``),
+status ``failed`` and no reward: it is data, never a zero, and never stops its siblings.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import statistics
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
 
-from envport.client import EnvClient
-from envport.errors import ConnectionLostError, EnvportError
+from envport.errors import EnvportError
 from envport.harness.agent import AgentConfig, ToolCallingAgent
-from envport.harness.model import ChatModel, ModelProviderError
-from envport.tasks import Task
-from envport.trace import (
-    AsyncTraceStore,
-    ErrorKind,
-    Run,
-    Trace,
-    TraceError,
-    TraceStatus,
+from envport.harness.model import ChatModel
+from envport.rollout.backends.base import Backend
+from envport.rollout.backends.inprocess import InProcessBackend
+from envport.rollout.controller import (
+    Controller,
+    ControllerConfig,
+    RolloutEvent,
+    RolloutSpec,
+    classify,
+    rollout_id,
 )
+from envport.tasks import Task
+from envport.trace import AsyncTraceStore, Trace, TraceStatus
+
+__all__ = [
+    "EvalConfig",
+    "EvalSummary",
+    "Evaluator",
+    "classify",
+    "pass_at_k",
+    "rollout_id",
+    "summarise",
+]
 
 
 class EvalConfig(BaseModel):
@@ -44,6 +56,19 @@ class EvalConfig(BaseModel):
     agent: AgentConfig = Field(default_factory=AgentConfig)
     success_threshold: float = Field(1.0, description="Reward at or above which a run passes.")
     agent_timeout_s: float = Field(300.0, gt=0, description="Default when a task sets none.")
+    max_attempts: int = Field(3, ge=1, description="Attempts per rollout (infra retries + 1).")
+    hang_timeout_s: float | None = Field(
+        180.0, gt=0, description="Abort an attempt this long without progress (> a model call)."
+    )
+
+    def controller_config(self) -> ControllerConfig:
+        return ControllerConfig(
+            concurrency=self.concurrency,
+            max_attempts=self.max_attempts,
+            agent_timeout_s=self.agent_timeout_s,
+            scoring_timeout_s=self.agent_timeout_s,
+            hang_timeout_s=self.hang_timeout_s,
+        )
 
 
 class EvalSummary(BaseModel):
@@ -61,37 +86,12 @@ class EvalSummary(BaseModel):
     wall_s: float
 
 
-def rollout_id(run_id: str, task: Task, index: int) -> str:
-    return f"{run_id}/{task.id}/{index}"
-
-
-def classify(exc: BaseException, stage: str) -> ErrorKind:
-    """Where a failure belongs, from what was raised and the stage it was raised in."""
-    if isinstance(exc, ModelProviderError):
-        return ErrorKind.MODEL_PROVIDER
-    if stage == "scoring":
-        return ErrorKind.RUBRIC
-    if isinstance(exc, ConnectionLostError):
-        return ErrorKind.INFRASTRUCTURE
-    if isinstance(exc, EnvportError):
-        return ErrorKind.ENVIRONMENT
-    return ErrorKind.HARNESS  # the agent loop itself, or its deadline
-
-
-async def _score(task: Task, trace: Trace, env: EnvClient) -> None:
-    """Score with the task's rubric; the env stays open so rubrics can inspect it."""
-    from envport.rubrics import ClientHandle, ScoringContext, from_specs
-
-    if not task.rubric:
-        return
-    rubric = from_specs(task.rubric)
-    ctx = ScoringContext(trace=trace, task=task, env=ClientHandle(env))
-    result = await rubric.score(ctx)
-    result.apply(trace)
-
-
 class Evaluator:
-    """Runs rollouts of a taskset against one model endpoint into one store."""
+    """Runs rollouts of a taskset against one model endpoint into one store.
+
+    ``backend`` decides where environments run (default: in-process, or at
+    ``config.env_urls`` for the ids listed there).
+    """
 
     def __init__(
         self,
@@ -100,68 +100,37 @@ class Evaluator:
         config: EvalConfig | None = None,
         *,
         taskset_name: str | None = None,
+        backend: Backend | None = None,
+        controller_config: ControllerConfig | None = None,
     ) -> None:
         self.model = model
         self.store = store
         self.config = config or EvalConfig()
         self.taskset_name = taskset_name
         self.agent = ToolCallingAgent(model, self.config.agent)
+        self.backend = backend
+        self.controller_config = controller_config or self.config.controller_config()
 
-    def _client(self, task: Task) -> EnvClient:
-        assert task.env_id is not None
-        # One environment call may run a whole verifier (Harbor's test.sh): allow the
-        # longest stage deadline the task declares.
-        t = task.resources.timeouts
-        timeout = max([60.0, *(x for x in (t.agent, t.scoring, t.env_start) if x)])
-        url = self.config.env_urls.get(task.env_id)
-        target = url or task.env_id
-        return EnvClient.connect(target, timeout_s=timeout)
+    def controller(
+        self, run_id: str, on_event: Callable[[RolloutEvent], None] | None = None
+    ) -> Controller:
+        """A controller for ``run_id`` driving this evaluator's agent (not yet entered)."""
+        return Controller(
+            self.store,
+            self.backend or InProcessBackend(self.config.env_urls),
+            self.agent,
+            self.controller_config,
+            run_id=run_id,
+            taskset=self.taskset_name,
+            on_event=on_event,
+            run_config=self.config.model_dump(mode="json"),
+        )
 
     async def run_one(self, task: Task, index: int, run_id: str) -> Trace:
-        trace = Trace(
-            run_id=run_id,
-            task_id=task.id,
-            task_hash=task.content_hash,
-            taskset=self.taskset_name,
-            rollout_id=rollout_id(run_id, task, index),
-            group_id=f"{run_id}/{task.id}",
-            env_id=task.env_id,
-            status=TraceStatus.RUNNING,
-            started_at=datetime.now(UTC),
-            metadata={"rollout_index": index},
-        )
-        t0 = time.perf_counter()
-        stage = "env_start"
-        try:
-            if task.env_id is None:
-                raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
-            timeouts = task.resources.timeouts
-            async with self._client(task) as env:
-                stage = "agent"
-                agent_s = timeouts.agent or self.config.agent_timeout_s
-                await asyncio.wait_for(self.agent.run(task, env, trace), agent_s)
-                stage = "scoring"
-                scoring_s = timeouts.scoring or self.config.agent_timeout_s
-                await asyncio.wait_for(_score(task, trace, env), scoring_s)
-        except Exception as exc:
-            kind = classify(exc, stage)
-            if isinstance(exc, TimeoutError):
-                message = f"{stage} exceeded its deadline"
-                trace.stop_reason = "timeout"
-                trace.errors.append(TraceError(kind=kind, message=message, where=stage))
-            else:
-                trace.errors.append(TraceError.from_exception(exc, kind=kind, where=stage))
-        trace.timings["total"] = time.perf_counter() - t0
-        trace.finished_at = datetime.now(UTC)
-        scored = trace.reward is not None or not task.rubric
-        fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
-        if fatal or not scored:
-            trace.status = TraceStatus.FAILED
-            trace.reward = None  # a failure is never scored
-        else:  # a failed weight-0 metric is recorded but does not fail the run
-            trace.status = TraceStatus.COMPLETED
-        await self.store.put(trace)
-        return trace
+        """One rollout (``run_id/task/index``), with the controller's retries."""
+        async with self.controller(run_id) as ctl:
+            (result,) = await ctl.collect([RolloutSpec(task, index)])
+        return result.trace
 
     async def run(
         self,
@@ -171,44 +140,38 @@ class Evaluator:
         resume: bool = False,
         on_done: Callable[[Trace], None] | None = None,
         on_start: Callable[[int], None] | None = None,
+        on_event: Callable[[RolloutEvent], None] | None = None,
     ) -> EvalSummary:
         started = time.perf_counter()
         run_id = run_id or uuid.uuid4().hex[:12]
         task_list = list(tasks)
-        done_ids: set[str] = set()
-        if resume:
-            for trace in await self.store.query(run_id=run_id, limit=None):
-                if trace.status in (TraceStatus.COMPLETED, TraceStatus.FAILED):
-                    done_ids.add(trace.rollout_id)
-                else:  # in flight when the run was interrupted: redone from scratch
-                    await self.store.delete(trace.trace_id)
-        else:
-            await self.store.put_run(Run(run_id=run_id, config=self.config.model_dump(mode="json")))
-        todo = [
-            (task, k)
-            for task in task_list
-            for k in range(self.config.rollouts)
-            if rollout_id(run_id, task, k) not in done_ids
-        ]
+        stored = await self.store.query(run_id=run_id, limit=None)
+        done_ids = {t.rollout_id for t in stored if t.status.is_final}
+        if stored and not resume:
+            raise EnvportError(
+                f"run {run_id!r} already has {len(stored)} traces in the store; "
+                "resume it (--resume) or choose another run id"
+            )
+        specs = [RolloutSpec(task, k) for task in task_list for k in range(self.config.rollouts)]
+        wanted = {rollout_id(run_id, s.task, s.index) for s in specs}
+        skipped = len(done_ids & wanted)
         if on_start is not None:
-            on_start(len(todo))
-        gate = asyncio.Semaphore(self.config.concurrency)
+            on_start(len(specs) - skipped)
 
-        async def one(task: Task, k: int) -> None:
-            async with gate:
-                trace = await self.run_one(task, k, run_id)
-            if on_done is not None:
-                on_done(trace)
+        def event(ev: RolloutEvent) -> None:
+            if on_event is not None:
+                on_event(ev)
+            if on_done is not None and ev.trace is not None and not ev.skipped:
+                on_done(ev.trace)
 
-        async with asyncio.TaskGroup() as tg:
-            for task, k in todo:
-                tg.create_task(one(task, k))
+        async with self.controller(run_id, event) as ctl:
+            await ctl.collect(specs)
         traces = await self.store.query(run_id=run_id, limit=None)
         return summarise(
             run_id,
             traces,
             tasks=len(task_list),
-            skipped=len(done_ids),
+            skipped=skipped,
             wall_s=time.perf_counter() - started,
             threshold=self.config.success_threshold,
         )

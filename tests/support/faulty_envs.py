@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from typing import Any, ClassVar
@@ -10,6 +12,14 @@ from typing import Any, ClassVar
 from envport.env import Env
 from envport.envs.echo import EchoAction, EchoObservation
 from envport.types import StepResult
+
+
+def _first_time(marker: str) -> bool:
+    try:
+        with open(marker, "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 class FaultyEnv(Env[EchoAction, EchoObservation]):
@@ -35,6 +45,14 @@ class FaultyEnv(Env[EchoAction, EchoObservation]):
             await asyncio.sleep(3600)
         if action.message == "block":
             await asyncio.to_thread(FaultyEnv.release.wait, 30)
+        if action.message.startswith(("hang_once:", "die_once:")):
+            # The first instance to see this (across processes) hangs or is killed; the
+            # marker file makes a retry on a fresh instance succeed.
+            kind, _, marker = action.message.partition(":")
+            if _first_time(marker):
+                if kind == "die_once":  # only ever sent to a server process
+                    os.kill(os.getpid(), signal.SIGKILL)
+                await asyncio.sleep(3600)
         if action.message.startswith("sleep:"):
             await asyncio.sleep(float(action.message.split(":", 1)[1]))
         return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)

@@ -18,6 +18,14 @@ WAL into a valid database. Only an OS crash or power loss can drop the last few 
 (never corrupt the file); pass ``synchronous="FULL"`` to ``fsync`` every commit and
 survive those too, at the cost of one disk flush per write.
 
+Rollout state. Schema version 2 adds the ``rollouts`` and ``attempts`` tables that the
+rollout controller (:mod:`envport.rollout`) keeps its state machines in
+(:class:`RolloutRecord`, :class:`AttemptRecord`). State changes are compare-and-set
+(:meth:`SQLiteTraceStore.advance_rollout` raises :class:`StaleStateError` when someone
+else moved the rollout first), and :meth:`SQLiteTraceStore.finish_rollout` writes a
+rollout's final trace together with its final state in one transaction, refusing a
+second final trace for the same rollout: each rollout is stored exactly once.
+
 Concurrency. One connection per store, guarded by a lock, so a store may be shared by
 threads (and by ``asyncio.to_thread``). Several processes may open the same file; WAL
 lets readers proceed while one writes, and ``busy_timeout`` queues writers.
@@ -35,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypeVar, runtime_checkable
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envport.trace.errors import TraceNotFoundError, TraceStoreError
 from envport.trace.model import Run, Trace, TraceStatus
@@ -164,6 +172,49 @@ _MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             "CREATE INDEX traces_created ON traces (created_at, trace_id)",
         ),
     ),
+    (
+        2,
+        "rollout and attempt state (envport.rollout)",
+        (
+            """CREATE TABLE rollouts (
+                rollout_id    TEXT PRIMARY KEY,
+                run_id        TEXT NOT NULL,
+                task_id       TEXT,
+                group_id      TEXT,
+                idx           INTEGER NOT NULL,
+                env_id        TEXT,
+                state         TEXT NOT NULL,
+                attempts      INTEGER NOT NULL DEFAULT 0,
+                failures      INTEGER NOT NULL DEFAULT 0,
+                max_attempts  INTEGER NOT NULL,
+                controller    TEXT,
+                trace_id      TEXT,
+                error_kind    TEXT,
+                error_message TEXT,
+                created_at    TEXT NOT NULL,
+                updated_at    TEXT NOT NULL
+            )""",
+            "CREATE INDEX rollouts_run_state ON rollouts (run_id, state)",
+            """CREATE TABLE attempts (
+                rollout_id    TEXT NOT NULL,
+                attempt       INTEGER NOT NULL,
+                run_id        TEXT NOT NULL,
+                state         TEXT NOT NULL,
+                controller    TEXT NOT NULL,
+                backend       TEXT,
+                instance_id   TEXT,
+                env_start_s   REAL,
+                error_kind    TEXT,
+                error_message TEXT,
+                reason        TEXT,
+                started_at    TEXT NOT NULL,
+                heartbeat_at  TEXT NOT NULL,
+                finished_at   TEXT,
+                PRIMARY KEY (rollout_id, attempt)
+            )""",
+            "CREATE INDEX attempts_run_state ON attempts (run_id, state)",
+        ),
+    ),
 )
 
 #: The newest schema version this code knows.
@@ -179,6 +230,93 @@ ON CONFLICT (trace_id) DO UPDATE SET
     reward = excluded.reward, schema_version = excluded.schema_version,
     created_at = excluded.created_at, updated_at = excluded.updated_at, body = excluded.body
 """
+
+
+# --- rollout state records ----------------------------------------------------------------
+
+
+class RolloutRecord(BaseModel):
+    """One row of ``rollouts``: where a rollout stands (see :mod:`envport.rollout.state`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    run_id: str
+    task_id: str | None = None
+    group_id: str | None = None
+    index: int = 0
+    env_id: str | None = None
+    state: str = "pending"
+    attempts: int = Field(0, description="Attempts started (abandoned ones included).")
+    failures: int = Field(0, description="Attempts that failed (counted against the budget).")
+    max_attempts: int = 1
+    controller: str | None = None
+    trace_id: str | None = Field(None, description="The final trace, once the rollout ended.")
+    error_kind: str | None = None
+    error_message: str | None = None
+    created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    updated_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+class AttemptRecord(BaseModel):
+    """One row of ``attempts``: one try at a rollout, on one environment instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    attempt: int
+    run_id: str
+    state: str = "starting_env"
+    controller: str
+    backend: str | None = None
+    instance_id: str | None = None
+    env_start_s: float | None = None
+    error_kind: str | None = None
+    error_message: str | None = None
+    reason: str | None = Field(None, description="Why it was abandoned or failed.")
+    started_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    heartbeat_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    finished_at: datetime | None = None
+
+
+_ROLLOUT_COLS = (
+    "rollout_id, run_id, task_id, group_id, idx, env_id, state, attempts, failures,"
+    " max_attempts, controller, trace_id, error_kind, error_message, created_at, updated_at"
+)
+_ATTEMPT_COLS = (
+    "rollout_id, attempt, run_id, state, controller, backend, instance_id, env_start_s,"
+    " error_kind, error_message, reason, started_at, heartbeat_at, finished_at"
+)
+_ROLLOUT_UPDATABLE = frozenset(
+    {"state", "attempts", "failures", "controller", "trace_id", "error_kind", "error_message"}
+)
+
+
+def _parse_ts(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+
+
+def _rollout_row(row: Sequence[Any]) -> RolloutRecord:
+    names = [c.strip() for c in _ROLLOUT_COLS.split(",")]
+    data = dict(zip(names, row, strict=True))
+    data["index"] = data.pop("idx")
+    data["created_at"] = _parse_ts(data["created_at"])
+    data["updated_at"] = _parse_ts(data["updated_at"])
+    return RolloutRecord.model_validate(data)
+
+
+def _attempt_row(row: Sequence[Any]) -> AttemptRecord:
+    names = [c.strip() for c in _ATTEMPT_COLS.split(",")]
+    data = dict(zip(names, row, strict=True))
+    for key in ("started_at", "heartbeat_at", "finished_at"):
+        data[key] = _parse_ts(data[key])
+    return AttemptRecord.model_validate(data)
+
+
+class StaleStateError(TraceStoreError):
+    """A compare-and-set on a rollout's state lost: someone else moved it first."""
 
 
 def _ts(dt: datetime) -> str:
@@ -566,6 +704,195 @@ class SQLiteTraceStore:
             config=json.loads(config),
             created_at=datetime.strptime(created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC),
         )
+
+    # --- rollout state (envport.rollout) ------------------------------------------------
+
+    def ensure_rollout(self, record: RolloutRecord) -> RolloutRecord:
+        """Insert ``record`` unless its rollout id exists; return the stored row."""
+
+        def write(conn: sqlite3.Connection) -> RolloutRecord:
+            r = record
+            conn.execute(
+                "INSERT OR IGNORE INTO runs (run_id, created_at) VALUES (?, ?)",
+                (r.run_id, _ts(datetime.now(UTC))),
+            )
+            conn.execute(
+                f"INSERT OR IGNORE INTO rollouts ({_ROLLOUT_COLS})"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    r.rollout_id,
+                    r.run_id,
+                    r.task_id,
+                    r.group_id,
+                    r.index,
+                    r.env_id,
+                    r.state,
+                    r.attempts,
+                    r.failures,
+                    r.max_attempts,
+                    r.controller,
+                    r.trace_id,
+                    r.error_kind,
+                    r.error_message,
+                    _ts(r.created_at),
+                    _ts(r.updated_at),
+                ),
+            )
+            row = conn.execute(
+                f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (r.rollout_id,)
+            ).fetchone()
+            return _rollout_row(row)
+
+        return self._write(write)
+
+    def get_rollout(self, rollout_id: str) -> RolloutRecord:
+        rows = self._read(
+            f"SELECT {_ROLLOUT_COLS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+        )
+        if not rows:
+            raise TraceNotFoundError(f"no rollout {rollout_id!r} in {self.path!r}")
+        return _rollout_row(rows[0])
+
+    def rollouts(
+        self, *, run_id: str | None = None, states: Sequence[str] | None = None
+    ) -> list[RolloutRecord]:
+        """Rollout rows of a run (all runs if ``None``), optionally only in ``states``."""
+        clauses: list[str] = []
+        params: list[Any] = []
+        if run_id is not None:
+            clauses.append("run_id = ?")
+            params.append(run_id)
+        if states is not None:
+            clauses.append(f"state IN ({', '.join('?' * len(states))})")
+            params.extend(states)
+        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+        rows = self._read(
+            f"SELECT {_ROLLOUT_COLS} FROM rollouts{where} ORDER BY rollout_id", params
+        )
+        return [_rollout_row(r) for r in rows]
+
+    def attempts(
+        self, *, run_id: str | None = None, rollout_id: str | None = None
+    ) -> list[AttemptRecord]:
+        clauses: list[str] = []
+        params: list[Any] = []
+        for column, value in (("run_id", run_id), ("rollout_id", rollout_id)):
+            if value is not None:
+                clauses.append(f"{column} = ?")
+                params.append(value)
+        where = (" WHERE " + " AND ".join(clauses)) if clauses else ""
+        rows = self._read(
+            f"SELECT {_ATTEMPT_COLS} FROM attempts{where} ORDER BY rollout_id, attempt", params
+        )
+        return [_attempt_row(r) for r in rows]
+
+    @staticmethod
+    def _advance(
+        conn: sqlite3.Connection,
+        rollout_id: str,
+        expect: str,
+        fields: dict[str, Any],
+        attempt: AttemptRecord | None,
+    ) -> None:
+        unknown = set(fields) - _ROLLOUT_UPDATABLE
+        if unknown:
+            raise ValueError(f"not updatable rollout fields: {sorted(unknown)}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        sets = f"{sets}, updated_at = ?" if sets else "updated_at = ?"
+        cur = conn.execute(
+            f"UPDATE rollouts SET {sets} WHERE rollout_id = ? AND state = ?",
+            (*fields.values(), _ts(datetime.now(UTC)), rollout_id, expect),
+        )
+        if cur.rowcount != 1:
+            row = conn.execute(
+                "SELECT state, controller FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+            found = "no such rollout" if row is None else f"it is {row[0]!r} (by {row[1]})"
+            raise StaleStateError(f"rollout {rollout_id!r} was expected {expect!r}, but {found}")
+        if attempt is not None:
+            a = attempt
+            conn.execute(
+                f"INSERT OR REPLACE INTO attempts ({_ATTEMPT_COLS})"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    a.rollout_id,
+                    a.attempt,
+                    a.run_id,
+                    a.state,
+                    a.controller,
+                    a.backend,
+                    a.instance_id,
+                    a.env_start_s,
+                    a.error_kind,
+                    a.error_message,
+                    a.reason,
+                    _ts(a.started_at),
+                    _ts(a.heartbeat_at),
+                    None if a.finished_at is None else _ts(a.finished_at),
+                ),
+            )
+
+    def advance_rollout(
+        self,
+        rollout_id: str,
+        *,
+        expect: str,
+        attempt: AttemptRecord | None = None,
+        **fields: Any,
+    ) -> None:
+        """Compare-and-set: update the rollout only if it is still in state ``expect``
+        (else :class:`StaleStateError`), and upsert ``attempt``, in one transaction."""
+        self._write(lambda conn: self._advance(conn, rollout_id, expect, fields, attempt))
+
+    def finish_rollout(
+        self,
+        rollout_id: str,
+        *,
+        expect: str,
+        trace: Trace,
+        attempt: AttemptRecord | None = None,
+        **fields: Any,
+    ) -> None:
+        """Write the rollout's final trace and its final state in one transaction.
+
+        Any non-final trace left for the rollout id (a crashed attempt) is removed; a
+        second final trace for the same rollout is refused, so a rollout appears once.
+        """
+
+        def write(conn: sqlite3.Connection) -> None:
+            self._advance(conn, rollout_id, expect, {**fields, "trace_id": trace.trace_id}, attempt)
+            final = ("completed", "failed", "cancelled")
+            other = conn.execute(
+                "SELECT trace_id FROM traces WHERE rollout_id = ? AND trace_id != ?"
+                " AND status IN (?, ?, ?)",
+                (rollout_id, trace.trace_id, *final),
+            ).fetchone()
+            if other is not None:
+                raise StaleStateError(
+                    f"rollout {rollout_id!r} already has a final trace {other[0]!r}"
+                )
+            conn.execute(
+                "DELETE FROM traces WHERE rollout_id = ? AND trace_id != ?",
+                (rollout_id, trace.trace_id),
+            )
+            self._upsert(conn, trace)
+
+        self._write(write)
+
+    def heartbeat_attempts(self, keys: Iterable[tuple[str, int]]) -> None:
+        """Stamp ``heartbeat_at = now`` on the given (rollout id, attempt) rows."""
+        items = list(keys)
+        if not items:
+            return
+        now = _ts(datetime.now(UTC))
+
+        def write(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "UPDATE attempts SET heartbeat_at = ? WHERE rollout_id = ? AND attempt = ?",
+                [(now, rid, n) for rid, n in items],
+            )
+
+        self._write(write)
 
     # --- lifecycle ---------------------------------------------------------------------
 

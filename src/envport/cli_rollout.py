@@ -1,0 +1,325 @@
+"""``envport run``: drive a batch of rollouts through the controller, with a live display.
+
+A thin shell over :class:`envport.rollout.Controller`. The display counts rollouts by
+state (pending, running, retrying, succeeded, failed) and shows environment start
+latency; the summary table at the end adds attempts, retries, abandoned attempts of a
+previous controller and re-adopted instances. Killed midway (Ctrl-C or SIGKILL), a run
+is finished by the same command with ``--run-id ID --resume``: every rollout ends up in
+the store exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import statistics
+from collections import Counter
+from contextlib import ExitStack, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from envport.cli_runs import DEFAULT_STORE, StoreOpt, _fail, err, local_scripted_model, out
+from envport.errors import EnvportError
+
+if TYPE_CHECKING:
+    from envport.rollout import Backend, ControllerSummary, RolloutEvent, RolloutSpec
+
+
+class BackendName(enum.StrEnum):
+    INPROCESS = "inprocess"
+    LOCAL = "local"
+
+
+def run_command(
+    taskset: Annotated[
+        str,
+        typer.Argument(
+            help="builtin:NAME, a .jsonl file, a Harbor task dir, hf:PATH, *.parquet, "
+            "entrypoint:NAME or module:Class.",
+            show_default=False,
+        ),
+    ],
+    backend: Annotated[
+        BackendName,
+        typer.Option(
+            case_sensitive=False,
+            help="Where environments run: [bold]inprocess[/] (no sockets) or [bold]local[/] "
+            "(one envport server process per instance).",
+        ),
+    ] = BackendName.INPROCESS,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="OpenAI-compatible base URL (…/v1). Omitted: start envport's local "
+            "[bold]scripted[/] model server (a stand-in, not a model)."
+        ),
+    ] = None,
+    model_name: Annotated[str, typer.Option(help="Model name sent upstream.")] = "default",
+    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")] = None,
+    rollouts: Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")] = 1,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 16,
+    attempts: Annotated[
+        int, typer.Option(min=1, help="Attempts per rollout (infrastructure retries + 1).")
+    ] = 3,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")] = None,
+    max_turns: Annotated[int, typer.Option(min=1)] = 10,
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions one instance hosts.")] = 1,
+    pool_size: Annotated[
+        int, typer.Option(min=0, help="Instances kept warm per environment type.")
+    ] = 0,
+    max_episodes: Annotated[
+        int | None, typer.Option(min=1, help="Recycle an instance after N episodes.")
+    ] = None,
+    hang_timeout: Annotated[
+        float, typer.Option(min=0.1, help="Seconds without a heartbeat before an attempt aborts.")
+    ] = 180.0,
+    agent_timeout: Annotated[float, typer.Option(min=0.1, help="Agent deadline (s).")] = 300.0,
+    store: StoreOpt = DEFAULT_STORE,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where local instances are tracked (default: next to the store)."),
+    ] = None,
+    run_id: Annotated[str | None, typer.Option(help="Run id (default: new).")] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(help="Finish run --run-id: skip final rollouts, re-run in-flight ones."),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run a batch of rollouts through the controller, with a live progress display.
+
+    Kill it midway and rerun with [bold]--run-id ID --resume[/]: each rollout is stored
+    exactly once.
+    """
+    import uuid
+
+    from envport.harness import AgentConfig
+    from envport.rollout import ControllerConfig, RolloutSpec
+    from envport.tasks import TasksetError, load
+
+    if resume and not run_id:
+        _fail("--resume needs --run-id (see `envport traces runs`).")
+    try:
+        tasks = load(taskset)
+        task_list = list(tasks.head(limit) if limit else tasks)
+    except (TasksetError, EnvportError, OSError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    if not task_list:
+        _fail(f"{taskset} has no tasks.")
+    store.parent.mkdir(parents=True, exist_ok=True)
+    run_id = run_id or uuid.uuid4().hex[:12]
+    config = ControllerConfig(
+        concurrency=concurrency,
+        max_attempts=attempts,
+        hang_timeout_s=hang_timeout,
+        agent_timeout_s=agent_timeout,
+        scoring_timeout_s=agent_timeout,
+        sessions_per_instance=sessions,
+        pool_size=pool_size,
+        max_episodes=max_episodes,
+    )
+    specs = [RolloutSpec(task, k) for task in task_list for k in range(rollouts)]
+    if not resume and store.exists():
+        from envport.trace import SQLiteTraceStore
+
+        with SQLiteTraceStore(store) as db:
+            if db.count(run_id=run_id):
+                _fail(
+                    f"run {run_id!r} already has traces in {store}; finish it with --resume "
+                    "or choose another --run-id"
+                )
+    with ExitStack() as stack:
+        if model is None:
+            model = stack.enter_context(local_scripted_model())
+            if not as_json:
+                out.print(
+                    f"[yellow]No --model given: using envport's scripted stand-in at {model} "
+                    "(rule-based, not a model).[/]"
+                )
+        try:
+            summary, mean_reward = asyncio.run(
+                _drive(
+                    specs,
+                    store=store,
+                    backend_name=backend,
+                    state_dir=state_dir or store.parent / "instances",
+                    model_url=model,
+                    model_name=model_name,
+                    api_key=api_key,
+                    agent=AgentConfig(max_turns=max_turns),
+                    config=config,
+                    run_id=run_id,
+                    resume=resume,
+                    taskset=taskset,
+                    quiet=as_json,
+                )
+            )
+        except KeyboardInterrupt:
+            err.print(
+                f"[yellow]interrupted:[/] finish it with [bold]envport run {taskset} "
+                f"--run-id {run_id} --resume --store {store}[/]"
+            )
+            raise typer.Exit(130) from None
+        except EnvportError as exc:
+            _fail(str(exc))
+            return
+    if as_json:
+        out.print_json(data={**summary.model_dump(mode="json"), "mean_reward": mean_reward})
+        return
+    out.print()
+    out.print(summary_table(summary, mean_reward))
+    out.print(f"Traces: [bold]envport traces list --run {run_id} --store {store}[/]")
+
+
+def _backend(name: BackendName, state_dir: Path) -> Backend:
+    from envport.rollout import InProcessBackend, LocalProcessBackend
+
+    if name is BackendName.LOCAL:
+        return LocalProcessBackend(state_dir)
+    return InProcessBackend()
+
+
+async def _drive(
+    specs: list[RolloutSpec],
+    *,
+    store: Path,
+    backend_name: BackendName,
+    state_dir: Path,
+    model_url: str,
+    model_name: str,
+    api_key: str | None,
+    agent: Any,
+    config: Any,
+    run_id: str,
+    resume: bool,
+    taskset: str,
+    quiet: bool,
+) -> tuple[ControllerSummary, float | None]:
+    from envport.harness import ChatModel, ToolCallingAgent
+    from envport.rollout import Controller
+    from envport.trace import AsyncTraceStore, SQLiteTraceStore
+
+    display = LiveCounts(len(specs))
+    chat = ChatModel(model_url, model_name, api_key=api_key)
+    try:
+        async with (
+            AsyncTraceStore(SQLiteTraceStore(store)) as traces,
+            _backend(backend_name, state_dir) as backend,
+        ):
+            controller = Controller(
+                traces,
+                backend,
+                ToolCallingAgent(chat, agent),
+                config,
+                run_id=run_id,
+                taskset=taskset,
+                on_event=display.update,
+                run_config={"taskset": taskset, **config.model_dump(mode="json")},
+            )
+            live = Live(display, console=out, refresh_per_second=8)
+            with nullcontext() if quiet else live:
+                summary = await controller.run(specs)
+    finally:
+        await chat.aclose()
+    rewards = [r for r in display.rewards if r is not None]
+    return summary, (statistics.fmean(rewards) if rewards else None)
+
+
+class LiveCounts:
+    """Rollouts by state, updated from controller events; renders as a rich table."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.states: dict[str, str] = {}
+        self.attempt: dict[str, int] = {}
+        self.env_start: list[float] = []
+        self.rewards: list[float | None] = []
+        self.skipped = 0
+
+    def update(self, event: RolloutEvent) -> None:
+        self.states[event.rollout_id] = event.state.value
+        self.attempt[event.rollout_id] = event.attempt
+        if event.state.value == "running" and event.env_start_s:
+            self.env_start.append(event.env_start_s)
+        if event.skipped:
+            self.skipped += 1
+        if event.trace is not None and event.trace.status.value == "completed":
+            self.rewards.append(event.trace.reward)
+
+    def counts(self) -> Counter[str]:
+        c: Counter[str] = Counter()
+        for rid, state in self.states.items():
+            if state in ("starting_env", "running", "scoring"):
+                c["retrying" if self.attempt.get(rid, 0) > 1 else "running"] += 1
+            else:
+                c[state] += 1
+        c["pending"] += self.total - len(self.states)
+        return c
+
+    def __rich__(self) -> Group:
+        c = self.counts()
+        done = c["succeeded"] + c["failed"]
+        table = Table.grid(padding=(0, 2))
+        for _ in range(7):
+            table.add_column(justify="right")
+        table.add_row(
+            "[bold]rollouts[/]",
+            f"{done}/{self.total} done",
+            f"[cyan]{c['running']} running[/]",
+            f"[yellow]{c['retrying']} retrying[/]",
+            f"[green]{c['succeeded']} succeeded[/]",
+            f"[red]{c['failed']} failed[/]",
+            f"{c['pending']} pending",
+        )
+        starts = sorted(self.env_start)
+        line = Text("env start: ", style="bold")
+        if starts:
+            p50 = starts[len(starts) // 2]
+            p99 = starts[min(len(starts) - 1, int(0.99 * len(starts)))]
+            line.append(f"p50 {p50:.2f} s · p99 {p99:.2f} s · {len(starts)} started")
+        else:
+            line.append("no instance started yet")
+        if self.skipped:
+            line.append(f" · {self.skipped} already done (resume)")
+        return Group(table, line)
+
+
+def summary_table(summary: ControllerSummary, mean_reward: float | None) -> Table:
+    table = Table(title=f"run {summary.run_id}", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    starts = summary.env_start_s
+    rows = [
+        ("rollouts", str(summary.rollouts)),
+        ("succeeded", f"[green]{summary.succeeded}[/]"),
+        ("failed", f"[red]{summary.failed}[/]"),
+        ("skipped (already final)", str(summary.skipped)),
+        ("attempts started", str(summary.attempts)),
+        ("retried attempts", str(summary.retried)),
+        ("abandoned (previous controller)", str(summary.abandoned)),
+        ("instances re-adopted", str(summary.adopted)),
+        (
+            "errors by kind",
+            ", ".join(f"{k}: {v}" for k, v in summary.errors_by_kind.items()) or "-",
+        ),
+        (
+            "env start",
+            f"p50 {starts['p50']:.2f} s · p99 {starts['p99']:.2f} s" if starts else "-",
+        ),
+        ("mean reward", "-" if mean_reward is None else f"{mean_reward:.3f}"),
+        ("wall", f"{summary.wall_s:.1f} s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run_command)

@@ -1,0 +1,306 @@
+"""The local-process backend: one envport server process per instance, on loopback.
+
+Each instance is ``python -m envport.rollout.backends.local ENV --sessions S --port-file F``
+(an envport server for ``ENV`` built with the launch's options, hosting ``S`` sessions),
+started in its own process group so that stopping it takes every child with it. The
+server binds port 0 itself and writes the port it got to ``F``, so two instances (or
+another program) can never race for a port; it is ready when ``GET /health`` answers.
+
+Each live instance has a small JSON file in ``state_dir`` (its :class:`EnvInstance`,
+pid included). The files outlive the controller on purpose: a controller killed with
+SIGKILL leaves its servers running, and the next one (same ``state_dir``) finds them with
+:meth:`LocalProcessBackend.list` and re-adopts or stops them. A pid is trusted only if
+that process's command line still names the instance id (no pid-reuse accidents).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int, instance_id: str) -> bool:
+    return instance_id in _cmdline(pid)
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+def _read_port(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _forget(state_dir: Path, instance_id: str) -> None:
+    for suffix in (".json", ".log", ".port"):
+        (state_dir / f"{instance_id}{suffix}").unlink(missing_ok=True)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class LocalProcessBackend(Backend):
+    """Environment servers as local processes, tracked in ``state_dir``."""
+
+    name: ClassVar[str] = "local"
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        stop_grace_s: float = 5.0,
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        self.env = dict(env) if env is not None else None
+        self.cwd = str(cwd) if cwd is not None else None
+        self.stop_grace_s = stop_grace_s
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._http = httpx.AsyncClient(timeout=2.0)
+
+    # --- start --------------------------------------------------------------------------
+
+    def _argv(self, launch: EnvLaunch, instance_id: str, port_file: Path) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "envport.rollout.backends.local",
+            launch.env_id,
+            "--host",
+            self.host,
+            "--port-file",
+            str(port_file),
+            "--sessions",
+            str(launch.sessions),
+            "--options",
+            json.dumps(launch.options),
+            "--instance-id",
+            instance_id,
+        ]
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        instance_id = f"local-{uuid.uuid4().hex[:12]}"
+        log_path = self.state_dir / f"{instance_id}.log"
+        port_file = self.state_dir / f"{instance_id}.port"
+        t0 = time.perf_counter()
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(launch, instance_id, port_file),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
+                cwd=self.cwd,
+            )
+        self._procs[instance_id] = proc
+        instance = EnvInstance(
+            instance_id=instance_id,
+            backend=self.name,
+            env_id=launch.env_id,
+            url=None,
+            labels=dict(launch.labels),
+            meta={"pid": proc.pid, "log": str(log_path)},
+        )
+        try:
+            await self._wait_ready(instance, proc, launch.start_timeout_s, log_path, port_file)
+            instance.start_latency_s = time.perf_counter() - t0
+            self._state_file(instance_id).write_text(instance.model_dump_json())
+        except BaseException:
+            await asyncio.shield(self._reap(instance))
+            raise
+        return instance
+
+    async def _wait_ready(
+        self,
+        instance: EnvInstance,
+        proc: asyncio.subprocess.Process,
+        timeout_s: float,
+        log_path: Path,
+        port_file: Path,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if instance.url is None and (port := _read_port(port_file)) is not None:
+                instance.url = f"http://{self.host}:{port}"
+            if proc.returncode is not None:
+                tail = _tail(log_path)
+                raise BackendError(
+                    f"environment server for {instance.env_id!r} exited with code "
+                    f"{proc.returncode} before it was ready:\n{tail}"
+                )
+            if instance.url is not None and await self._health(instance):
+                return
+            if time.monotonic() > deadline:
+                raise BackendError(
+                    f"environment server for {instance.env_id!r} did not answer /health "
+                    f"within {timeout_s:g} s (log: {log_path})"
+                )
+            await asyncio.sleep(0.05)
+
+    async def _health(self, instance: EnvInstance) -> bool:
+        try:
+            reply = await self._http.get(f"{instance.url}/health")
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
+
+    # --- watch, stop, list --------------------------------------------------------------
+
+    async def healthy(self, instance: EnvInstance) -> bool:
+        pid = int(instance.meta.get("pid", 0))
+        if not pid or not _alive(pid, instance.instance_id):
+            return False
+        return await self._health(instance)
+
+    def _state_file(self, instance_id: str) -> Path:
+        return self.state_dir / f"{instance_id}.json"
+
+    async def _reap(self, instance: EnvInstance) -> None:
+        pid = int(instance.meta.get("pid", 0))
+        proc = self._procs.pop(instance.instance_id, None)
+        if pid and (proc is not None or _alive(pid, instance.instance_id)):
+            _kill_group(pid, signal.SIGTERM)
+            if not await self._wait_gone(pid, instance.instance_id, proc, self.stop_grace_s):
+                _kill_group(pid, signal.SIGKILL)
+                await self._wait_gone(pid, instance.instance_id, proc, 5.0)
+        _forget(self.state_dir, instance.instance_id)
+
+    @staticmethod
+    async def _wait_gone(
+        pid: int, instance_id: str, proc: asyncio.subprocess.Process | None, timeout_s: float
+    ) -> bool:
+        if proc is not None:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                return False
+            return True
+        deadline = time.monotonic() + timeout_s
+        while _alive(pid, instance_id):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    async def stop(self, instance: EnvInstance) -> None:
+        await self._reap(instance)
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
+        want = dict(labels or {})
+        found: list[EnvInstance] = []
+        for path in sorted(self.state_dir.glob("local-*.json")):
+            try:
+                instance = EnvInstance.model_validate_json(path.read_text())
+            except (OSError, ValueError):
+                continue
+            pid = int(instance.meta.get("pid", 0))
+            if not pid or not _alive(pid, instance.instance_id):
+                path.unlink(missing_ok=True)  # died with its controller's machine, or killed
+                continue
+            if all(instance.labels.get(k) == v for k, v in want.items()):
+                found.append(instance)
+        return found
+
+    async def aclose(self) -> None:
+        ids = list(self._procs)
+        instances = []
+        for instance_id in ids:
+            path = self._state_file(instance_id)
+            proc = self._procs[instance_id]
+            try:
+                instances.append(EnvInstance.model_validate_json(path.read_text()))
+            except (OSError, ValueError):
+                instances.append(
+                    EnvInstance(
+                        instance_id=instance_id,
+                        backend=self.name,
+                        env_id="?",
+                        meta={"pid": proc.pid},
+                    )
+                )
+        try:
+            await asyncio.gather(*(self._reap(i) for i in instances))
+        finally:
+            await self._http.aclose()
+
+
+# --- the server process -------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of one instance's server process."""
+    parser = argparse.ArgumentParser(prog="python -m envport.rollout.backends.local")
+    parser.add_argument("env", help="environment id or module:Class")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port-file", required=True, help="where to write the bound port")
+    parser.add_argument("--sessions", type=int, default=1)
+    parser.add_argument("--options", default="{}", help="JSON keyword arguments for the env")
+    parser.add_argument("--instance-id", default="", help="names the process for re-adoption")
+    args = parser.parse_args(argv)
+
+    import socket
+
+    import uvicorn
+
+    from envport.registry import spec
+    from envport.server import ServerConfig, create_app, uvicorn_config
+
+    found = spec(args.env)
+    cls = found.load()
+    kwargs: dict[str, Any] = {**found.kwargs, **json.loads(args.options)}
+
+    def factory() -> Any:
+        return cls(**kwargs)
+
+    factory.__name__ = found.id
+    # Room beyond the leased sessions for ones a dropped connection keeps for resume.
+    config = ServerConfig(max_sessions=max(2 * args.sessions, args.sessions + 4))
+    app = create_app(factory, config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, 0))
+    port = sock.getsockname()[1]
+    tmp = Path(args.port_file + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(args.port_file)  # appears whole, or not at all
+    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=port, config=config))
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

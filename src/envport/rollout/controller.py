@@ -1,0 +1,1019 @@
+"""The rollout controller: runs rollouts on leased environments, exactly once each.
+
+A rollout is a task, a harness (the policy that drives it) and an attempt budget. The
+controller runs many at once under a global limit and per-environment-type limits,
+leases an environment slot from a warm :class:`~envport.rollout.pool.EnvPool` per
+environment type, runs the harness under stage deadlines (environment start, agent,
+scoring) and a heartbeat watchdog, scores the run, and writes the final trace together
+with the rollout's final state in one store transaction.
+
+Use it as an async context manager; everything it starts belongs to its task group and
+is stopped (instances included) when the block ends, on error and on Ctrl-C alike::
+
+    async with Controller(store, LocalProcessBackend("runs/instances"), agent,
+                          ControllerConfig(concurrency=32), run_id="exp1") as ctl:
+        summary = await ctl.run([RolloutSpec(task, k) for task in tasks for k in range(4)])
+
+        # or, for a trainer that overlaps collection with training:
+        pending = ctl.submit(next_group_specs)     # returns at once; tasks run
+        traces = [r.trace for r in await asyncio.gather(*pending)]
+
+``on_event`` (a plain callback) sees every state change, for progress displays.
+
+Faults, and what becomes of them:
+
+* **Heartbeats.** An attempt is alive while something moves: a reply from the
+  environment, a new model call / message / step on the trace, or an explicit
+  :func:`heartbeat` from harness code. ``hang_timeout_s`` without one aborts the attempt:
+  classified ``infrastructure`` when an environment call was outstanding (the
+  environment hung), else ``harness`` (the harness stopped making progress). Instances
+  are also health-checked by their backend while an attempt runs; a dead one aborts it.
+* **Retries.** Failures of the kinds in ``retry_on`` (infrastructure, sandbox) are retried
+  on a fresh instance (the old one is retired) until ``max_attempts``; every attempt is
+  a row in the store's ``attempts`` table. Other failures end the rollout ``failed``
+  with a classified error and no reward: never a 0, never in training data. One
+  rollout's failure never touches its siblings.
+* **Restarts.** Rollout ids are deterministic (``run/task/k``). On entry the controller
+  marks every in-flight attempt of its run ``abandoned`` (reason
+  ``controller_restart``), requeues those rollouts, and re-adopts the run's instances
+  that its backend still has (``Backend.list``). Rollouts already final are skipped, and
+  a second final trace for a rollout is refused by the store, so each rollout ends up
+  in the store, and in training rows, exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import os
+import socket
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envport.client import EnvClient
+from envport.errors import ConnectionLostError, EnvportError
+from envport.harness.model import ModelProviderError
+from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
+from envport.rollout.pool import EnvPool, Lease, PoolClosedError
+from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
+from envport.tasks import Task
+from envport.trace import AsyncTraceStore, ErrorKind, Run, Trace, TraceError, TraceStatus
+from envport.trace.store import AttemptRecord, RolloutRecord, SQLiteTraceStore
+
+_T = TypeVar("_T")
+
+#: Label a controller puts on every instance it starts; it re-adopts by it.
+RUN_LABEL = "envport-run"
+
+#: Controllers alive in this process: their in-flight rollouts are not stale.
+_LIVE: set[str] = set()
+
+
+class ControllerConflictError(EnvportError):
+    """Another live controller is driving this run; two would run rollouts twice."""
+
+
+class Harness(Protocol):
+    """What drives one episode: the built-in agent, or any adapter with this method."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None: ...
+
+
+_beat: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "envport_heartbeat", default=None
+)
+
+
+def heartbeat() -> None:
+    """Tell the controller the current attempt is alive (harness code may call it)."""
+    beat = _beat.get()
+    if beat is not None:
+        beat()
+
+
+def rollout_id(run_id: str, task: Task, index: int) -> str:
+    return f"{run_id}/{task.id}/{index}"
+
+
+def classify(exc: BaseException, stage: str) -> ErrorKind:
+    """Where a failure belongs, from what was raised and the stage it was raised in."""
+    if isinstance(exc, ModelProviderError):
+        return ErrorKind.MODEL_PROVIDER
+    if stage == "scoring":
+        return ErrorKind.RUBRIC
+    if isinstance(exc, ConnectionLostError | BackendError | PoolClosedError):
+        return ErrorKind.INFRASTRUCTURE
+    if stage == "env_start" and isinstance(exc, TimeoutError):
+        return ErrorKind.INFRASTRUCTURE
+    if isinstance(exc, EnvportError):
+        return ErrorKind.ENVIRONMENT
+    return ErrorKind.HARNESS  # the agent loop itself, or its deadline
+
+
+async def score(task: Task, trace: Trace, env: EnvClient) -> None:
+    """Score with the task's rubric; the env stays open so rubrics can inspect it."""
+    from envport.rubrics import ClientHandle, ScoringContext, from_specs
+
+    if not task.rubric:
+        return
+    rubric = from_specs(task.rubric)
+    ctx = ScoringContext(trace=trace, task=task, env=ClientHandle(env))
+    result = await rubric.score(ctx)
+    result.apply(trace)
+
+
+# --- configuration and results ------------------------------------------------------------
+
+
+class ControllerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    concurrency: int = Field(16, ge=1, description="Rollouts in flight at once.")
+    env_concurrency: dict[str, int] = Field(
+        default_factory=dict, description="env id -> rollouts of that type in flight at once."
+    )
+    max_attempts: int = Field(3, ge=1, description="Attempts per rollout (retries + 1).")
+    retry_on: frozenset[ErrorKind] = Field(
+        frozenset({ErrorKind.INFRASTRUCTURE, ErrorKind.SANDBOX}),
+        description="Failure kinds retried on a fresh instance.",
+    )
+    env_start_timeout_s: float = Field(60.0, gt=0, description="Default env_start deadline.")
+    agent_timeout_s: float = Field(300.0, gt=0, description="Default agent deadline.")
+    scoring_timeout_s: float = Field(300.0, gt=0, description="Default scoring deadline.")
+    hang_timeout_s: float | None = Field(
+        60.0, gt=0, description="Abort an attempt after this long without a heartbeat."
+    )
+    health_interval_s: float = Field(5.0, gt=0, description="Instance health-check period.")
+    sessions_per_instance: int = Field(1, ge=1, description="Sessions one instance hosts.")
+    pool_size: int = Field(0, ge=0, description="Instances kept warm per environment type.")
+    max_episodes: int | None = Field(None, ge=1, description="Recycle an instance after N.")
+    env_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="env id -> keyword arguments for its instances."
+    )
+    heartbeat_persist_s: float = Field(5.0, gt=0, description="How often heartbeats are stored.")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """One rollout to run: task ``index`` (0..k-1) of ``task``, by ``harness``."""
+
+    task: Task
+    index: int = 0
+    harness: Harness | None = None
+    max_attempts: int | None = None
+    group_id: str | None = None
+
+
+class RolloutEvent(BaseModel):
+    """A state change, for progress displays (``on_event``)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    rollout_id: str
+    state: RolloutState
+    previous: RolloutState | None = None
+    attempt: int = 0
+    error_kind: ErrorKind | None = None
+    env_start_s: float | None = None
+    skipped: bool = False
+    trace: Trace | None = None
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    rollout_id: str
+    trace: Trace
+    attempts: int
+    skipped: bool = False
+
+    @property
+    def succeeded(self) -> bool:
+        return self.trace.status is TraceStatus.COMPLETED
+
+
+class ControllerSummary(BaseModel):
+    run_id: str
+    rollouts: int
+    succeeded: int
+    failed: int
+    skipped: int = Field(0, description="Already final in the store (resume).")
+    attempts: int = Field(0, description="Attempts this controller started.")
+    retried: int = Field(0, description="Attempts that failed and were retried.")
+    abandoned: int = Field(0, description="In-flight attempts of a previous controller.")
+    adopted: int = Field(0, description="Instances re-adopted from a previous controller.")
+    errors_by_kind: dict[str, int] = Field(default_factory=dict)
+    env_start_s: dict[str, float] = Field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
+
+
+# --- one attempt in flight ------------------------------------------------------------------
+
+
+class _Hang(Exception):
+    """No heartbeat within the hang timeout; ``kind`` says whose fault it was."""
+
+    def __init__(self, message: str, kind: ErrorKind) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class _StageFailed(Exception):
+    """``error`` ended the attempt during ``stage`` (carried out of the watchdog)."""
+
+    def __init__(self, stage: str, error: Exception) -> None:
+        super().__init__(stage, error)
+        self.stage = stage
+        self.error = error
+
+    @property
+    def kind(self) -> ErrorKind:
+        if isinstance(self.error, _Hang):
+            return self.error.kind
+        return classify(self.error, self.stage)
+
+
+class _Monitor:
+    """Heartbeats of one attempt: environment replies, trace progress, explicit beats."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.busy = 0
+        self.progress = 0
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def poll(self, trace: Trace) -> None:
+        progress = len(trace.model_calls) + len(trace.steps) + len(trace.messages)
+        if progress != self.progress:
+            self.progress = progress
+            self.beat()
+
+
+class _BeatingTransport:
+    """Wraps a client transport: every reply is a heartbeat; counts calls in flight."""
+
+    def __init__(self, inner: Any, monitor: _Monitor) -> None:
+        self.inner = inner
+        self.monitor = monitor
+
+    async def open(self) -> None:
+        self.monitor.busy += 1
+        try:
+            await self.inner.open()
+        finally:
+            self.monitor.busy -= 1
+            self.monitor.beat()
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        self.monitor.busy += 1
+        try:
+            reply: dict[str, Any] = await self.inner.request(frame)
+            return reply
+        finally:
+            self.monitor.busy -= 1
+            self.monitor.beat()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+@dataclass
+class _Flight:
+    spec: RolloutSpec
+    rollout_id: str
+    state: RolloutState
+    attempt: AttemptRecord
+    trace: Trace
+    monitor: _Monitor = field(default_factory=_Monitor)
+    next_health: float = 0.0
+
+
+def _controller_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _settle(job: asyncio.Task[None], client: EnvClient) -> None:
+    """Cancel ``job``; if a call it is stuck in does not yield within a second, drop the
+    environment connection under it so that its task group never waits forever."""
+    job.cancel()
+    done, _ = await asyncio.wait({job}, timeout=1.0)
+    if done:
+        return
+    transport = client.transport
+    inner = getattr(transport, "inner", transport)
+    drop = getattr(inner, "drop_connection", None)
+    try:
+        if drop is not None:
+            await asyncio.wait_for(drop(), 5.0)
+        else:
+            await asyncio.wait_for(inner.close(), 5.0)
+    except Exception:  # best effort: the instance is retired or stopped next anyway
+        return
+
+
+async def _close_quietly(client: EnvClient) -> None:
+    try:
+        await asyncio.wait_for(client.close(), 5.0)
+    except Exception:  # the session is gone with its instance; nothing left to release
+        return
+
+
+# --- the controller ---------------------------------------------------------------------------
+
+
+class Controller:
+    """Runs rollouts of one run id against one backend into one store."""
+
+    def __init__(
+        self,
+        store: AsyncTraceStore,
+        backend: Backend,
+        harness: Harness | None = None,
+        config: ControllerConfig | None = None,
+        *,
+        run_id: str,
+        taskset: str | None = None,
+        on_event: Callable[[RolloutEvent], None] | None = None,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(store.store, SQLiteTraceStore):
+            raise TypeError(
+                "the controller keeps rollout state in the store; it needs a "
+                f"SQLiteTraceStore, not {type(store.store).__name__}"
+            )
+        self.store = store
+        self._db: SQLiteTraceStore = store.store
+        self.backend = backend
+        self.harness = harness
+        self.config = config or ControllerConfig()
+        self.run_id = run_id
+        self.taskset = taskset
+        self.on_event = on_event
+        self.run_config = run_config or {}
+        self.controller_id = _controller_id()
+        self._gate = asyncio.Semaphore(self.config.concurrency)
+        self._env_gates: dict[str, asyncio.Semaphore] = {}
+        self._pools: dict[str, EnvPool] = {}
+        self._tasks: dict[str, asyncio.Task[RolloutResult]] = {}
+        self._services: list[asyncio.Task[None]] = []
+        self._flights: dict[str, _Flight] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self.env_start_s: list[float] = []
+        self.attempts_started = 0
+        self.retried = 0
+        self.abandoned = 0
+        self.adopted = 0
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Controller:
+        self._tg = asyncio.TaskGroup()
+        await self._tg.__aenter__()
+        _LIVE.add(self.controller_id)
+        try:
+            await self._recover()
+            self._services.append(self._tg.create_task(self._persist_heartbeats()))
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, et: Any, exc: Any, tb: Any) -> None:
+        """Cancel whatever still runs (the next controller re-runs it), stop instances."""
+        assert self._tg is not None
+        _LIVE.discard(self.controller_id)
+        for task in [*self._services, *self._tasks.values()]:
+            task.cancel()
+        # Children are cancelled above; hand the task group only a cancellation, so an
+        # error raised in the ``async with`` body propagates as itself, not as a group.
+        cancelled = isinstance(exc, asyncio.CancelledError)
+        try:
+            if cancelled:
+                await self._tg.__aexit__(et, exc, tb)
+            else:
+                await self._tg.__aexit__(None, None, None)
+        finally:
+            self._tg = None
+            pools = list(self._pools.values())
+            self._pools.clear()
+            results = await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException) and not isinstance(result, Exception):
+                    raise result
+
+    async def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def _recover(self) -> None:
+        """Requeue what a previous controller of this run left in flight; re-adopt."""
+        if not await self._call(self._has_run):
+            await self.store.put_run(Run(run_id=self.run_id, config=self.run_config))
+        live = [s.value for s in RolloutState if not s.is_final and s is not RolloutState.PENDING]
+        rows = await self._call(self._db.rollouts, run_id=self.run_id, states=live)
+        stale = [r for r in rows if r.controller not in _LIVE]  # not another one's, here
+        host = socket.gethostname()
+        for rec in stale:
+            owner = (rec.controller or "").split(":")
+            if len(owner) == 3 and owner[0] == host and owner[1].isdigit():
+                pid = int(owner[1])
+                if pid != os.getpid() and _pid_alive(pid):
+                    raise ControllerConflictError(
+                        f"run {self.run_id!r} is being driven by a live controller "
+                        f"(pid {pid}); stop it first, or use another run id"
+                    )
+        for rec in stale:
+            attempts = await self._call(self._db.attempts, rollout_id=rec.rollout_id)
+            open_attempt = next((a for a in attempts if not AttemptState(a.state).is_final), None)
+            if open_attempt is not None:
+                AttemptState(open_attempt.state).check(AttemptState.ABANDONED)
+                open_attempt = open_attempt.model_copy(
+                    update={
+                        "state": AttemptState.ABANDONED.value,
+                        "reason": "controller_restart",
+                        "finished_at": datetime.now(UTC),
+                    }
+                )
+                self.abandoned += 1
+            RolloutState(rec.state).check(RolloutState.PENDING)
+            await self._call(
+                self._db.advance_rollout,
+                rec.rollout_id,
+                expect=rec.state,
+                attempt=open_attempt,
+                state=RolloutState.PENDING.value,
+                controller=self.controller_id,
+            )
+        by_env: dict[str, list[EnvInstance]] = {}
+        for instance in await self.backend.list({RUN_LABEL: self.run_id}):
+            by_env.setdefault(instance.env_id, []).append(instance)
+        for env_id, instances in by_env.items():
+            self.adopted += self._pool(env_id).adopt(instances)
+
+    def _has_run(self) -> bool:
+        return any(r.run_id == self.run_id for r in self._db.list_runs())
+
+    async def _persist_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_persist_s)
+            keys = [(f.rollout_id, f.attempt.attempt) for f in self._flights.values()]
+            await self._call(self._db.heartbeat_attempts, keys)
+
+    def _pool(self, env_id: str) -> EnvPool:
+        pool = self._pools.get(env_id)
+        if pool is None:
+            cfg = self.config
+            limit = cfg.env_concurrency.get(env_id, cfg.concurrency)
+            launch = EnvLaunch(
+                env_id=env_id,
+                options=cfg.env_options.get(env_id, {}),
+                sessions=cfg.sessions_per_instance,
+                labels={RUN_LABEL: self.run_id},
+                start_timeout_s=cfg.env_start_timeout_s,
+            )
+            pool = EnvPool(
+                self.backend,
+                launch,
+                size=cfg.pool_size,
+                max_instances=max(cfg.pool_size, math.ceil(limit / cfg.sessions_per_instance)),
+                max_episodes=cfg.max_episodes,
+                health_interval_s=cfg.health_interval_s,
+            )
+            self._pools[env_id] = pool
+            assert self._tg is not None, "use `async with Controller(...)`"
+            self._services.append(self._tg.create_task(pool.maintain()))
+        return pool
+
+    def pools(self) -> dict[str, EnvPool]:
+        return dict(self._pools)
+
+    # --- submitting -------------------------------------------------------------------------
+
+    def submit(self, specs: Iterable[RolloutSpec]) -> list[asyncio.Task[RolloutResult]]:
+        """Start rollouts now (they queue on the limits); one task per spec, in order.
+
+        A rollout id already submitted to this controller returns its existing task.
+        """
+        if self._tg is None:
+            raise RuntimeError("submit() needs a running controller: `async with Controller(…)`")
+        out: list[asyncio.Task[RolloutResult]] = []
+        for spec in specs:
+            rid = rollout_id(self.run_id, spec.task, spec.index)
+            task = self._tasks.get(rid)
+            if task is None:
+                task = self._tg.create_task(self._rollout(spec, rid), name=f"rollout {rid}")
+                self._tasks[rid] = task
+            out.append(task)
+        return out
+
+    async def collect(self, specs: Iterable[RolloutSpec]) -> list[RolloutResult]:
+        """Submit and wait for exactly these rollouts (e.g. one GRPO group)."""
+        return list(await asyncio.gather(*self.submit(specs)))
+
+    async def run(self, specs: Iterable[RolloutSpec]) -> ControllerSummary:
+        """Run a batch to the end and summarise it (enters the controller if needed)."""
+        if self._tg is None:
+            async with self:
+                return await self.run(specs)
+        started = time.perf_counter()
+        results = await self.collect(specs)
+        return self.summary(results, wall_s=time.perf_counter() - started)
+
+    def summary(self, results: Sequence[RolloutResult], *, wall_s: float) -> ControllerSummary:
+        kinds = Counter(
+            r.trace.errors[0].kind.value
+            for r in results
+            if r.trace.status is not TraceStatus.COMPLETED and r.trace.errors
+        )
+        return ControllerSummary(
+            run_id=self.run_id,
+            rollouts=len(results),
+            succeeded=sum(1 for r in results if r.succeeded),
+            failed=sum(1 for r in results if not r.succeeded),
+            skipped=sum(1 for r in results if r.skipped),
+            attempts=self.attempts_started,
+            retried=self.retried,
+            abandoned=self.abandoned,
+            adopted=self.adopted,
+            errors_by_kind=dict(kinds),
+            env_start_s=percentiles(self.env_start_s),
+            wall_s=wall_s,
+        )
+
+    # --- one rollout ----------------------------------------------------------------------
+
+    def _emit(self, event: RolloutEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    async def _skip(self, rid: str, rec: RolloutRecord | None) -> RolloutResult | None:
+        """The stored result if this rollout already ended (resume), else ``None``."""
+        trace: Trace | None = None
+        if rec is not None and RolloutState(rec.state).is_final and rec.trace_id:
+            trace = await self.store.get(rec.trace_id)
+        elif rec is None or rec.attempts == 0:
+            done = await self.store.query(rollout_id=rid, status=["completed", "failed"], limit=1)
+            trace = done[0] if done else None
+        if trace is None:
+            return None
+        state = (
+            RolloutState.SUCCEEDED if trace.status is TraceStatus.COMPLETED else RolloutState.FAILED
+        )
+        self._emit(RolloutEvent(rollout_id=rid, state=state, skipped=True, trace=trace))
+        return RolloutResult(rid, trace, rec.attempts if rec else trace.attempt, skipped=True)
+
+    def _env_gate(self, env_id: str | None) -> asyncio.Semaphore | None:
+        if env_id is None or env_id not in self.config.env_concurrency:
+            return None
+        gate = self._env_gates.get(env_id)
+        if gate is None:
+            gate = self._env_gates[env_id] = asyncio.Semaphore(self.config.env_concurrency[env_id])
+        return gate
+
+    async def _rollout(self, spec: RolloutSpec, rid: str) -> RolloutResult:
+        task = spec.task
+        max_attempts = spec.max_attempts or self.config.max_attempts
+        rec = await self._call(
+            self._db.ensure_rollout,
+            RolloutRecord(
+                rollout_id=rid,
+                run_id=self.run_id,
+                task_id=task.id,
+                group_id=spec.group_id or f"{self.run_id}/{task.id}",
+                index=spec.index,
+                env_id=task.env_id,
+                max_attempts=max_attempts,
+                controller=self.controller_id,
+            ),
+        )
+        skipped = await self._skip(rid, rec)
+        if skipped is not None:
+            return skipped
+        if RolloutState(rec.state) is not RolloutState.PENDING:
+            raise IllegalTransitionError(
+                f"rollout {rid!r} is {rec.state!r} under controller {rec.controller}; "
+                "only a pending rollout can start"
+            )
+        self._emit(RolloutEvent(rollout_id=rid, state=RolloutState.PENDING))
+        env_gate = self._env_gate(task.env_id)
+        async with self._gate:
+            if env_gate is None:
+                return await self._attempts(spec, rid, rec, max_attempts)
+            async with env_gate:
+                return await self._attempts(spec, rid, rec, max_attempts)
+
+    def _new_trace(self, spec: RolloutSpec, rid: str, attempt: int) -> Trace:
+        task = spec.task
+        return Trace(
+            run_id=self.run_id,
+            task_id=task.id,
+            task_hash=task.content_hash,
+            taskset=self.taskset,
+            rollout_id=rid,
+            attempt=attempt,
+            group_id=spec.group_id or f"{self.run_id}/{task.id}",
+            env_id=task.env_id,
+            status=TraceStatus.RUNNING,
+            started_at=datetime.now(UTC),
+            metadata={"rollout_index": spec.index},
+        )
+
+    async def _move(
+        self, f: _Flight, state: RolloutState, attempt_state: AttemptState, **fields: Any
+    ) -> None:
+        """Persist ``rollout -> state`` and ``attempt -> attempt_state`` (validated)."""
+        f.state.check(state)
+        AttemptState(f.attempt.state).check(attempt_state)
+        attempt = f.attempt.model_copy(
+            update={"state": attempt_state.value, "heartbeat_at": datetime.now(UTC)}
+        )
+        await self._call(
+            self._db.advance_rollout,
+            f.rollout_id,
+            expect=f.state.value,
+            attempt=attempt,
+            state=state.value,
+            **fields,
+        )
+        previous, f.state, f.attempt = f.state, state, attempt
+        self._emit(
+            RolloutEvent(
+                rollout_id=f.rollout_id,
+                state=state,
+                previous=previous,
+                attempt=attempt.attempt,
+                env_start_s=attempt.env_start_s,
+            )
+        )
+
+    async def _attempts(
+        self, spec: RolloutSpec, rid: str, rec: RolloutRecord, max_attempts: int
+    ) -> RolloutResult:
+        state = RolloutState(rec.state)
+        number, failures = rec.attempts, rec.failures
+        history: list[dict[str, Any]] = []
+        while True:
+            number += 1
+            self.attempts_started += 1
+            attempt = AttemptRecord(
+                rollout_id=rid,
+                attempt=number,
+                run_id=self.run_id,
+                state=AttemptState.STARTING_ENV.value,
+                controller=self.controller_id,
+                backend=self.backend.name,
+            )
+            state.check(RolloutState.STARTING_ENV)
+            await self._call(
+                self._db.advance_rollout,
+                rid,
+                expect=state.value,
+                attempt=attempt,
+                state=RolloutState.STARTING_ENV.value,
+                attempts=number,
+                controller=self.controller_id,
+            )
+            self._emit(
+                RolloutEvent(
+                    rollout_id=rid, state=RolloutState.STARTING_ENV, previous=state, attempt=number
+                )
+            )
+            f = _Flight(
+                spec, rid, RolloutState.STARTING_ENV, attempt, self._new_trace(spec, rid, number)
+            )
+            self._flights[rid] = f
+            try:
+                kind = await self._attempt(f)
+            except asyncio.CancelledError:
+                await self._abandon(f, "cancelled")
+                raise
+            finally:
+                self._flights.pop(rid, None)
+            trace = f.trace
+            error = next((e for e in trace.errors if e.kind is kind), None)
+            retry = kind in self.config.retry_on and failures + 1 < max_attempts
+            if kind is not None:
+                failures += 1
+            if retry:
+                assert kind is not None
+                history.append(
+                    {
+                        "attempt": number,
+                        "error_kind": kind.value,
+                        "message": error.message if error else "",
+                        "instance_id": f.attempt.instance_id,
+                    }
+                )
+                self.retried += 1
+                await self._call(
+                    self._db.advance_rollout,
+                    rid,
+                    expect=f.state.value,
+                    attempt=self._ended(f, AttemptState.FAILED, kind, error),
+                    state=f.state.check(RolloutState.RETRYING).value,
+                    failures=failures,
+                    error_kind=kind.value,
+                    error_message=error.message if error else None,
+                )
+                self._emit(
+                    RolloutEvent(
+                        rollout_id=rid,
+                        state=RolloutState.RETRYING,
+                        previous=f.state,
+                        attempt=number,
+                        error_kind=kind,
+                    )
+                )
+                state = RolloutState.RETRYING
+                continue
+            if history:
+                trace.metadata["previous_attempts"] = history
+            final = RolloutState.SUCCEEDED if kind is None else RolloutState.FAILED
+            f.state.check(final)
+            await self._call(
+                self._db.finish_rollout,
+                rid,
+                expect=f.state.value,
+                trace=trace,
+                attempt=self._ended(
+                    f,
+                    AttemptState.SUCCEEDED if kind is None else AttemptState.FAILED,
+                    kind,
+                    error,
+                ),
+                state=final.value,
+                failures=failures,
+                error_kind=kind.value if kind else None,
+                error_message=error.message if error else None,
+            )
+            self._emit(
+                RolloutEvent(
+                    rollout_id=rid,
+                    state=final,
+                    previous=f.state,
+                    attempt=number,
+                    error_kind=kind,
+                    trace=trace,
+                )
+            )
+            return RolloutResult(rid, trace, number)
+
+    @staticmethod
+    def _ended(
+        f: _Flight, state: AttemptState, kind: ErrorKind | None, error: TraceError | None
+    ) -> AttemptRecord:
+        AttemptState(f.attempt.state).check(state)
+        return f.attempt.model_copy(
+            update={
+                "state": state.value,
+                "error_kind": kind.value if kind else None,
+                "error_message": error.message if error else None,
+                "finished_at": datetime.now(UTC),
+                "heartbeat_at": datetime.now(UTC),
+            }
+        )
+
+    async def _abandon(self, f: _Flight, reason: str) -> None:
+        """Best effort on cancellation: record the attempt abandoned, requeue the rollout."""
+        attempt = f.attempt.model_copy(
+            update={
+                "state": AttemptState.ABANDONED.value,
+                "reason": reason,
+                "finished_at": datetime.now(UTC),
+            }
+        )
+        try:
+            await self._call(
+                self._db.advance_rollout,
+                f.rollout_id,
+                expect=f.state.value,
+                attempt=attempt,
+                state=RolloutState.PENDING.value,
+            )
+        except Exception:  # the next controller requeues it anyway
+            return
+
+    async def _attempt(self, f: _Flight) -> ErrorKind | None:
+        """One try; returns the kind of the failure that ends it, or ``None`` if it passed."""
+        task, trace, cfg = f.spec.task, f.trace, self.config
+        harness = f.spec.harness or self.harness
+        timeouts = task.resources.timeouts
+        start_s = timeouts.env_start or cfg.env_start_timeout_s
+        agent_s = timeouts.agent or cfg.agent_timeout_s
+        scoring_s = timeouts.scoring or cfg.scoring_timeout_s
+        # One environment call may run a whole verifier (Harbor's test.sh): a call may
+        # last as long as the longest stage. A call that hangs is cut by the watchdog
+        # (hang_timeout_s), which classifies it as an infrastructure fault and retries.
+        call_s = max(60.0, start_s, agent_s, scoring_s)
+        t0 = time.perf_counter()
+        stage = "env_start"
+        try:
+            if task.env_id is None:
+                raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
+            if harness is None:
+                raise EnvportError("no harness: give the controller or the RolloutSpec one")
+            async with self._pool(task.env_id).lease(timeout_s=start_s) as lease:
+                try:
+                    await self._on_instance(f, lease, harness, call_s, start_s, agent_s, scoring_s)
+                except _StageFailed as failed:
+                    if failed.kind is ErrorKind.INFRASTRUCTURE:
+                        await self._recycle(lease, failed.error)
+                    raise
+        except _StageFailed as failed:
+            self._record(trace, failed.stage, failed.error, failed.kind)
+        except Exception as exc:
+            self._record(trace, stage, exc, classify(exc, stage))
+        trace.timings["total"] = time.perf_counter() - t0
+        trace.finished_at = datetime.now(UTC)
+        scored = trace.reward is not None or not task.rubric
+        fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
+        if fatal or not scored:
+            trace.status = TraceStatus.FAILED
+            trace.reward = None  # a failure is never scored
+            if fatal:
+                return fatal[0].kind
+            return trace.errors[0].kind if trace.errors else ErrorKind.RUBRIC
+        trace.status = TraceStatus.COMPLETED  # a failed weight-0 metric does not fail it
+        return None
+
+    async def _recycle(self, lease: Lease, error: Exception) -> None:
+        """After an infrastructure failure: a session that hung on a healthy instance that
+        hosts several is dropped alone; otherwise the instance is retired."""
+        shared = lease.instance.url is not None and self.config.sessions_per_instance > 1
+        if isinstance(error, _Hang) and shared and await self.backend.healthy(lease.instance):
+            lease.lose_session()
+        else:
+            lease.retire(f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _record(trace: Trace, stage: str, exc: Exception, kind: ErrorKind) -> None:
+        if isinstance(exc, _Hang):
+            trace.stop_reason = "hang"
+            trace.errors.append(TraceError(kind=kind, message=str(exc), where=stage))
+        elif isinstance(exc, TimeoutError):
+            trace.stop_reason = "timeout"
+            message = f"{stage} exceeded its deadline"
+            trace.errors.append(TraceError(kind=kind, message=message, where=stage))
+        else:
+            trace.errors.append(TraceError.from_exception(exc, kind=kind, where=stage))
+
+    async def _on_instance(
+        self,
+        f: _Flight,
+        lease: Lease,
+        harness: Harness,
+        call_s: float,
+        start_s: float,
+        agent_s: float,
+        scoring_s: float,
+    ) -> None:
+        trace = f.trace
+        instance = lease.instance
+        trace.metadata["instance_id"] = instance.instance_id
+        f.attempt = f.attempt.model_copy(
+            update={"instance_id": instance.instance_id, "env_start_s": lease.env_start_s}
+        )
+        if lease.env_start_s > 0:
+            self.env_start_s.append(lease.env_start_s)
+        trace.timings["env_start"] = lease.env_start_s
+        inner = instance.client(timeout_s=call_s)
+        client = EnvClient(_BeatingTransport(inner.transport, f.monitor))
+        try:
+            try:
+                await asyncio.wait_for(client.transport.open(), start_s)
+            except Exception as exc:
+                raise _StageFailed("env_start", exc) from exc
+            await self._move(f, RolloutState.RUNNING, AttemptState.RUNNING)
+            await self._watch(
+                f, harness.run(f.spec.task, client, trace), agent_s, lease, "agent", client
+            )
+            await self._move(f, RolloutState.SCORING, AttemptState.SCORING)
+            await self._watch(
+                f, score(f.spec.task, trace, client), scoring_s, lease, "scoring", client
+            )
+        finally:
+            await _close_quietly(client)
+
+    async def _check_flight(
+        self,
+        f: _Flight,
+        lease: Lease,
+        stage: str,
+        start: float,
+        deadline_s: float,
+        hang_s: float | None,
+    ) -> Exception | None:
+        """Why the attempt must stop now (deadline, hang, dead instance), or ``None``."""
+        now = time.monotonic()
+        f.monitor.poll(f.trace)
+        if now - start >= deadline_s:
+            return TimeoutError(f"{stage} exceeded its deadline")
+        if hang_s is not None and now - f.monitor.last >= hang_s:
+            if f.monitor.busy > 0:
+                return _Hang(
+                    f"no heartbeat for {hang_s:g} s while the environment was answering "
+                    "a call; attempt aborted",
+                    ErrorKind.INFRASTRUCTURE,
+                )
+            return _Hang(
+                f"no heartbeat from the harness for {hang_s:g} s; attempt aborted",
+                ErrorKind.HARNESS,
+            )
+        if now >= f.next_health:
+            f.next_health = now + self.config.health_interval_s
+            if not await self.backend.healthy(lease.instance):
+                return ConnectionLostError(
+                    f"instance {lease.instance.instance_id} failed its health check"
+                )
+        return None
+
+    async def _watch(
+        self,
+        f: _Flight,
+        work: Coroutine[Any, Any, None],
+        deadline_s: float,
+        lease: Lease,
+        stage: str,
+        client: EnvClient,
+    ) -> None:
+        """Run ``work`` under its deadline, the hang watchdog and instance health checks."""
+        cfg = self.config
+        hang_s = cfg.hang_timeout_s if stage == "agent" else None
+        outcome: list[Exception] = []
+
+        async def guarded() -> None:
+            try:
+                await work
+            except Exception as exc:
+                outcome.append(exc)
+
+        f.monitor.beat()
+        tick = min(0.5, hang_s / 5 if hang_s else 0.5, cfg.health_interval_s)
+        start = time.monotonic()
+        f.next_health = start + cfg.health_interval_s
+        reason: Exception | None = None
+        async with asyncio.TaskGroup() as tg:
+            token = _beat.set(f.monitor.beat)  # the job's context is copied with the beat
+            try:
+                job = tg.create_task(guarded())
+            finally:
+                _beat.reset(token)
+            try:
+                while not job.done():
+                    left = start + deadline_s - time.monotonic()
+                    await asyncio.wait({job}, timeout=max(0.0, min(left, tick)))
+                    if job.done():
+                        break
+                    reason = await self._check_flight(f, lease, stage, start, deadline_s, hang_s)
+                    if reason is not None:
+                        job.cancel()
+                        break
+                if reason is not None:
+                    await _settle(job, client)
+            except asyncio.CancelledError:
+                await _settle(job, client)
+                raise
+        if reason is not None:
+            raise _StageFailed(stage, reason)
+        if outcome:
+            error = outcome[0]
+            # Whatever the transport raised, an instance that is gone is the cause.
+            suspect = classify(error, stage) is not ErrorKind.INFRASTRUCTURE
+            suspect = suspect and not isinstance(error, ModelProviderError)
+            if suspect and not await self.backend.healthy(lease.instance):
+                lost = ConnectionLostError(
+                    f"instance {lease.instance.instance_id} died during {stage}: "
+                    f"{type(error).__name__}: {error}"
+                )
+                lost.__cause__ = error
+                error = lost
+            raise _StageFailed(stage, error) from error

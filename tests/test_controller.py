@@ -1,0 +1,327 @@
+"""The rollout controller under faults: hangs, dead environments, stuck harnesses, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from envport.client import EnvClient
+from envport.rollout import (
+    Controller,
+    ControllerConfig,
+    ControllerConflictError,
+    InProcessBackend,
+    LocalProcessBackend,
+    RolloutEvent,
+    RolloutSpec,
+    RolloutState,
+    heartbeat,
+)
+from envport.tasks import Task
+from envport.trace import AsyncTraceStore, SQLiteTraceStore, StepRecord, Trace, TraceStatus
+from envport.trace.store import AttemptRecord, RolloutRecord
+from envport.train.rows import build_rows
+
+FAULTY = "tests.support.faulty_envs:FaultyEnv"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def task(task_id: str, actions: list[str], **extra: Any) -> Task:
+    return Task(id=task_id, prompt="go", env_id=FAULTY, metadata={"actions": actions}, **extra)
+
+
+class ScriptHarness:
+    """Resets, then steps each of the task's ``actions``; tracks concurrency."""
+
+    name = "script"
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.peak = 0
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            await env.reset()
+            for message in task.metadata["actions"]:
+                result = await env.step({"message": message})
+                trace.steps.append(
+                    StepRecord(
+                        index=len(trace.steps),
+                        action={"message": message},
+                        observation=result.observation,
+                    )
+                )
+        finally:
+            self.active -= 1
+
+
+class StuckHarness:
+    """Never returns and never makes progress after reset."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        await env.reset()
+        await asyncio.Event().wait()
+
+
+class BeatingHarness:
+    """Slow, but says it is alive: heartbeat() between quiet stretches."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        await env.reset()
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            heartbeat()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[AsyncTraceStore]:
+    async with AsyncTraceStore(SQLiteTraceStore(tmp_path / "t.db")) as s:
+        yield s
+
+
+def db(store: AsyncTraceStore) -> SQLiteTraceStore:
+    assert isinstance(store.store, SQLiteTraceStore)
+    return store.store
+
+
+FAST = {"hang_timeout_s": 0.4, "health_interval_s": 0.2, "heartbeat_persist_s": 0.1}
+
+
+async def test_batch_runs_under_limits_with_persisted_states(store: AsyncTraceStore) -> None:
+    harness = ScriptHarness()
+    events: list[RolloutEvent] = []
+    config = ControllerConfig(concurrency=8, env_concurrency={FAULTY: 2}, **FAST)
+    tasks = [task(f"t{i}", ["sleep:0.02", "hi"]) for i in range(5)]
+    specs = [RolloutSpec(t, k) for t in tasks for k in range(2)]
+    ctl = Controller(store, InProcessBackend(), harness, config, run_id="r", on_event=events.append)
+    summary = await ctl.run(specs)
+    assert (summary.rollouts, summary.succeeded, summary.failed) == (10, 10, 0)
+    assert 1 <= harness.peak <= 2  # the per-environment limit held
+    rows = db(store).rollouts(run_id="r")
+    assert {r.state for r in rows} == {"succeeded"}
+    assert all(r.attempts == 1 and r.trace_id for r in rows)
+    assert {a.state for a in db(store).attempts(run_id="r")} == {"succeeded"}
+    traces = await store.query(run_id="r")
+    assert sorted(t.rollout_id for t in traces) == sorted(r.rollout_id for r in rows)
+    one = [e.state for e in events if e.rollout_id == "r/t0/0"]
+    assert one == ["pending", "starting_env", "running", "scoring", "succeeded"]
+
+
+async def test_hanging_environment_is_cut_and_retried_on_a_fresh_instance(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    marker = tmp_path / "hung-once"
+    tasks = [task("hangs-once", [f"hang_once:{marker}", "after"]), task("fine", ["hi"])]
+    config = ControllerConfig(max_attempts=3, **FAST)
+    ctl = Controller(store, InProcessBackend(), ScriptHarness(), config, run_id="r")
+    summary = await ctl.run([RolloutSpec(t) for t in tasks])
+    assert (summary.succeeded, summary.failed, summary.retried) == (2, 0, 1)
+    (trace,) = await store.query(rollout_id="r/hangs-once/0")
+    assert trace.status is TraceStatus.COMPLETED
+    assert trace.attempt == 2
+    (previous,) = trace.metadata["previous_attempts"]
+    assert previous["error_kind"] == "infrastructure"
+    assert "no heartbeat" in previous["message"]
+    first, second = db(store).attempts(rollout_id="r/hangs-once/0")
+    assert (first.state, first.error_kind, second.state) == (
+        "failed",
+        "infrastructure",
+        "succeeded",
+    )
+    assert first.instance_id != second.instance_id  # retried on a fresh instance
+    assert len(await store.query(run_id="r")) == 2  # one trace per rollout
+
+
+async def test_environment_that_always_hangs_fails_unscored(store: AsyncTraceStore) -> None:
+    tasks = [task("hangs", ["hang"]), task("fine", ["hi"])]
+    config = ControllerConfig(max_attempts=2, **FAST)
+    ctl = Controller(store, InProcessBackend(), ScriptHarness(), config, run_id="r")
+    summary = await ctl.run([RolloutSpec(t) for t in tasks])
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    assert summary.errors_by_kind == {"infrastructure": 1}
+    (trace,) = await store.query(rollout_id="r/hangs/0")
+    assert trace.status is TraceStatus.FAILED
+    assert trace.reward is None  # never scored 0
+    assert trace.stop_reason == "hang"
+    assert [a.state for a in db(store).attempts(rollout_id="r/hangs/0")] == ["failed", "failed"]
+    assert db(store).get_rollout("r/hangs/0").error_kind == "infrastructure"
+    assert build_rows(trace).rows == []  # excluded from training data
+
+
+async def test_harness_that_never_returns_fails_without_retry(store: AsyncTraceStore) -> None:
+    specs = [
+        RolloutSpec(task("stuck", ["x"]), harness=StuckHarness()),
+        RolloutSpec(task("fine", ["hi"])),
+    ]
+    config = ControllerConfig(max_attempts=3, **FAST)
+    ctl = Controller(store, InProcessBackend(), ScriptHarness(), config, run_id="r")
+    summary = await ctl.run(specs)
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    (trace,) = await store.query(rollout_id="r/stuck/0")
+    (error,) = trace.errors
+    assert error.kind.value == "harness"
+    assert "no heartbeat from the harness" in error.message
+    assert len(db(store).attempts(rollout_id="r/stuck/0")) == 1  # not an infra fault
+
+
+async def test_heartbeats_keep_a_slow_harness_alive_but_deadlines_hold(
+    store: AsyncTraceStore,
+) -> None:
+    from envport.tasks.task import Resources, Timeouts
+
+    slow = task("slow", [])
+    capped = task("capped", [], resources=Resources(timeouts=Timeouts(agent=0.3)))
+    config = ControllerConfig(hang_timeout_s=0.3, health_interval_s=0.2)
+    ctl = Controller(store, InProcessBackend(), BeatingHarness(), config, run_id="r")
+    summary = await ctl.run([RolloutSpec(slow), RolloutSpec(capped)])
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    (trace,) = await store.query(rollout_id="r/capped/0")
+    assert trace.stop_reason == "timeout"
+    assert trace.errors[0].message == "agent exceeded its deadline"
+    assert trace.errors[0].kind.value == "harness"
+
+
+def _is_envport(pid: int) -> bool:
+    try:
+        return b"envport" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+async def test_restart_requeues_in_flight_rollouts_exactly_once(store: AsyncTraceStore) -> None:
+    import socket
+
+    tasks = [task(f"t{i}", ["hi"]) for i in range(3)]
+    specs = [RolloutSpec(t) for t in tasks]
+    # A first controller finished t0 and died (SIGKILL) while t1 was running.
+    await Controller(store, InProcessBackend(), ScriptHarness(), run_id="r").run(specs[:1])
+    dead = f"{socket.gethostname()}:{_dead_pid()}:gone"
+    s = db(store)
+    s.ensure_rollout(RolloutRecord(rollout_id="r/t1/0", run_id="r", task_id="t1", max_attempts=3))
+    s.advance_rollout(
+        "r/t1/0",
+        expect="pending",
+        state="running",
+        attempts=1,
+        controller=dead,
+        attempt=AttemptRecord(
+            rollout_id="r/t1/0", attempt=1, run_id="r", state="running", controller=dead
+        ),
+    )
+    stale = Trace(run_id="r", task_id="t1", rollout_id="r/t1/0", status=TraceStatus.RUNNING)
+    s.put(stale)
+
+    summary = await Controller(store, InProcessBackend(), ScriptHarness(), run_id="r").run(specs)
+    assert (summary.rollouts, summary.succeeded, summary.skipped) == (3, 3, 1)
+    assert summary.abandoned == 1
+    traces = await store.query(run_id="r")
+    assert sorted(t.rollout_id for t in traces) == ["r/t0/0", "r/t1/0", "r/t2/0"]
+    first, second = s.attempts(rollout_id="r/t1/0")
+    assert (first.state, first.reason) == ("abandoned", "controller_restart")
+    assert second.state == "succeeded"
+    (t1,) = [t for t in traces if t.rollout_id == "r/t1/0"]
+    assert s.get_rollout("r/t1/0").trace_id == t1.trace_id != stale.trace_id
+
+
+async def test_a_live_controller_of_the_same_run_is_refused(store: AsyncTraceStore) -> None:
+    import socket
+
+    sleeper = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(30)"
+    )
+    try:
+        owner = f"{socket.gethostname()}:{sleeper.pid}:alive"
+        s = db(store)
+        s.ensure_rollout(RolloutRecord(rollout_id="r/a/0", run_id="r", max_attempts=1))
+        s.advance_rollout("r/a/0", expect="pending", state="starting_env", controller=owner)
+        with pytest.raises(ControllerConflictError, match=f"pid {sleeper.pid}"):
+            async with Controller(store, InProcessBackend(), ScriptHarness(), run_id="r"):
+                pass
+        assert s.get_rollout("r/a/0").state == "starting_env"  # left alone
+    finally:
+        sleeper.kill()
+        await sleeper.wait()
+
+
+async def test_environment_process_killed_mid_step_is_retried(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    marker = tmp_path / "killed-once"
+    tasks = [task("dies-once", [f"die_once:{marker}", "after"]), task("fine", ["hi"])]
+    config = ControllerConfig(concurrency=2, max_attempts=3, **FAST)
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
+        summary = await ctl.run([RolloutSpec(t) for t in tasks])
+    assert (summary.succeeded, summary.failed, summary.retried) == (2, 0, 1)
+    first, second = db(store).attempts(rollout_id="r/dies-once/0")
+    assert (first.state, first.error_kind) == ("failed", "infrastructure")
+    assert second.state == "succeeded"
+    assert first.instance_id != second.instance_id
+    assert list((tmp_path / "instances").iterdir()) == []  # every server stopped
+
+
+async def test_cancellation_leaves_no_process_and_resume_finishes(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    state_dir = tmp_path / "instances"
+    specs = [RolloutSpec(task(f"t{i}", ["hi"]), harness=StuckHarness()) for i in range(2)]
+    running: list[str] = []
+    both_running = asyncio.Event()
+
+    def seen(event: RolloutEvent) -> None:
+        if event.state is RolloutState.RUNNING:
+            running.append(event.rollout_id)
+            if len(running) == 2:
+                both_running.set()
+
+    config = ControllerConfig(concurrency=2, sessions_per_instance=2, hang_timeout_s=None)
+    async with LocalProcessBackend(state_dir, cwd=ROOT) as backend:
+        ctl = Controller(store, backend, None, config, run_id="r", on_event=seen)
+        job = asyncio.create_task(ctl.run(specs))
+        await asyncio.wait_for(both_running.wait(), 60)
+        pids = [i.meta["pid"] for i in await backend.list()]
+        assert len(pids) == 1  # one server hosts both sessions
+        job.cancel()  # Ctrl-C
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        assert await backend.list() == []
+    assert not any(_is_envport(pid) for pid in pids)
+    assert list(state_dir.iterdir()) == []
+    s = db(store)
+    assert {r.state for r in s.rollouts(run_id="r")} == {"pending"}
+    assert {(a.state, a.reason) for a in s.attempts(run_id="r")} == {("abandoned", "cancelled")}
+    # The same run, resumed with a working harness: each rollout once.
+    ok = [RolloutSpec(sp.task) for sp in specs]
+    summary = await Controller(store, InProcessBackend(), ScriptHarness(), run_id="r").run(ok)
+    assert summary.succeeded == 2
+    assert len(await store.query(run_id="r")) == 2
+
+
+async def test_controllers_of_one_run_side_by_side_in_one_process(store: AsyncTraceStore) -> None:
+    """Per-rollout controllers (as `Evaluator.run_one` makes them) never requeue each
+    other's rollouts."""
+
+    async def one(name: str) -> None:
+        ctl = Controller(store, InProcessBackend(), ScriptHarness(), run_id="r")
+        summary = await ctl.run([RolloutSpec(task(name, ["sleep:0.05", "hi"]))])
+        assert summary.succeeded == 1
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(4):
+            tg.create_task(one(f"t{i}"))
+    assert {r.state for r in db(store).rollouts(run_id="r")} == {"succeeded"}
+    assert {a.state for a in db(store).attempts(run_id="r")} == {"succeeded"}

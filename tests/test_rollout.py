@@ -1,0 +1,266 @@
+"""Rollout building blocks: state machines, their store tables, pools, backends."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import sqlite3
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from envport.rollout import (
+    AttemptState,
+    Backend,
+    BackendError,
+    EnvInstance,
+    EnvLaunch,
+    EnvPool,
+    IllegalTransitionError,
+    InProcessBackend,
+    LocalProcessBackend,
+    PoolClosedError,
+    RolloutState,
+)
+from envport.trace import SQLiteTraceStore, Trace, TraceStatus
+from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- state machines -------------------------------------------------------------------------
+
+
+def test_rollout_state_machine_allows_the_documented_path_only() -> None:
+    path = [
+        RolloutState.PENDING,
+        RolloutState.STARTING_ENV,
+        RolloutState.RUNNING,
+        RolloutState.RETRYING,
+        RolloutState.STARTING_ENV,
+        RolloutState.RUNNING,
+        RolloutState.SCORING,
+        RolloutState.SUCCEEDED,
+    ]
+    for old, new in itertools.pairwise(path):
+        assert old.check(new) is new
+    with pytest.raises(IllegalTransitionError, match="allowed: starting_env"):
+        RolloutState.PENDING.check(RolloutState.SUCCEEDED)
+    with pytest.raises(IllegalTransitionError, match="none: final"):
+        RolloutState.FAILED.check(RolloutState.PENDING)
+    assert AttemptState.RUNNING.check(AttemptState.ABANDONED) is AttemptState.ABANDONED
+    with pytest.raises(IllegalTransitionError):
+        AttemptState.SUCCEEDED.check(AttemptState.FAILED)
+
+
+# --- store tables ---------------------------------------------------------------------------
+
+
+def test_store_migrates_a_version_1_file(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY,"
+        " description TEXT NOT NULL, applied_at TEXT NOT NULL)"
+    )
+    for statement in _MIGRATIONS[0][2]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_migrations VALUES (1, 'runs and traces', 'then')")
+    conn.commit()
+    conn.close()
+    with SQLiteTraceStore(path) as store:
+        assert store.schema_version == 2
+        store.ensure_rollout(RolloutRecord(rollout_id="r/a/0", run_id="r"))
+        assert [r.rollout_id for r in store.rollouts(run_id="r")] == ["r/a/0"]
+
+
+def test_rollout_rows_compare_and_set_and_one_final_trace(tmp_path: Path) -> None:
+    with SQLiteTraceStore(tmp_path / "t.db") as store:
+        rec = store.ensure_rollout(RolloutRecord(rollout_id="r/a/0", run_id="r", max_attempts=2))
+        again = store.ensure_rollout(RolloutRecord(rollout_id="r/a/0", run_id="r", state="failed"))
+        assert again.state == rec.state == "pending"  # an existing row is never overwritten
+        store.advance_rollout("r/a/0", expect="pending", state="starting_env", attempts=1)
+        with pytest.raises(StaleStateError, match="expected 'pending', but it is 'starting_env'"):
+            store.advance_rollout("r/a/0", expect="pending", state="starting_env")
+        with pytest.raises(ValueError, match="run_id"):
+            store.advance_rollout("r/a/0", expect="starting_env", run_id="other")
+        stale = Trace(run_id="r", rollout_id="r/a/0", status=TraceStatus.RUNNING)
+        store.put(stale)
+        final = Trace(run_id="r", rollout_id="r/a/0", status=TraceStatus.COMPLETED)
+        store.finish_rollout("r/a/0", expect="starting_env", trace=final, state="succeeded")
+        assert [t.trace_id for t in store.query(run_id="r")] == [final.trace_id]  # stale gone
+        assert store.get_rollout("r/a/0").trace_id == final.trace_id
+        # A second controller finishing the same rollout is refused; nothing changes.
+        store.ensure_rollout(RolloutRecord(rollout_id="r/b/0", run_id="r"))
+        twin = Trace(run_id="r", rollout_id="r/a/0", status=TraceStatus.COMPLETED)
+        with pytest.raises(StaleStateError):
+            store.finish_rollout("r/a/0", expect="scoring", trace=twin, state="succeeded")
+        assert store.count(rollout_id="r/a/0") == 1
+
+
+# --- pools ------------------------------------------------------------------------------------
+
+
+class CountingBackend(Backend):
+    """In-process instances, with start/stop counts, a start delay and a health switch."""
+
+    name: ClassVar[str] = "counting"
+
+    def __init__(self, start_delay_s: float = 0.0) -> None:
+        self.inner = InProcessBackend()
+        self.start_delay_s = start_delay_s
+        self.started: list[str] = []
+        self.stopped: list[str] = []
+        self.sick: set[str] = set()
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        await asyncio.sleep(self.start_delay_s)
+        instance = await self.inner.start(launch)
+        self.started.append(instance.instance_id)
+        return instance
+
+    async def healthy(self, instance: EnvInstance) -> bool:
+        return instance.instance_id not in self.sick
+
+    async def stop(self, instance: EnvInstance) -> None:
+        self.stopped.append(instance.instance_id)
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
+        return await self.inner.list(labels)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+async def test_pool_warms_reuses_and_recycles_after_n_episodes() -> None:
+    backend = CountingBackend()
+    launch = EnvLaunch(env_id="echo-v1")
+    async with EnvPool(backend, launch, size=2, max_episodes=2, health_interval_s=0.05) as pool:
+        await wait_for(lambda: pool.stats().instances == 2)
+        async with pool.lease() as lease:
+            assert lease.env_start_s == 0.0  # a warm hit
+            async with lease.instance.client() as env:
+                await env.reset()
+        for _ in range(3):
+            async with pool.lease():
+                pass
+        # 4 episodes over 2 warm instances with max_episodes=2: both retired, refilled.
+        await wait_for(lambda: len(backend.stopped) >= 2)
+        await wait_for(lambda: pool.stats().instances == 2)
+        assert pool.stats().retired >= 2
+    assert sorted(backend.stopped) == sorted(backend.started)  # nothing left running
+
+
+async def test_pool_backpressure_waits_bounded_then_hands_over() -> None:
+    backend = CountingBackend()
+    pool = EnvPool(backend, EnvLaunch(env_id="echo-v1"), max_instances=1)
+    async with pool.lease() as first:
+        with pytest.raises(TimeoutError):
+            async with pool.lease(timeout_s=0.1):
+                pass
+        waiter = asyncio.create_task(_lease_once(pool))
+        await wait_for(lambda: pool.stats().waiting == 1)
+    got = await waiter
+    assert got == first.instance.instance_id  # the freed slot went to the waiter
+    assert backend.started == [got]
+    await pool.aclose()
+    with pytest.raises(PoolClosedError):
+        async with pool.lease():
+            pass
+
+
+async def _lease_once(pool: EnvPool) -> str:
+    async with pool.lease(timeout_s=5) as lease:
+        return lease.instance.instance_id
+
+
+async def test_pool_retires_bad_and_unhealthy_instances() -> None:
+    backend = CountingBackend()
+    async with EnvPool(backend, EnvLaunch(env_id="echo-v1"), health_interval_s=0.05) as pool:
+        async with pool.lease() as lease:
+            lease.retire("hung under an attempt")
+        bad = lease.instance.instance_id
+        await wait_for(lambda: bad in backend.stopped)
+        async with pool.lease() as lease:
+            pass
+        assert lease.instance.instance_id != bad
+        backend.sick.add(lease.instance.instance_id)
+        await wait_for(lambda: lease.instance.instance_id in backend.stopped)
+        assert pool.stats().instances == 0
+
+
+async def test_pool_lease_cancelled_while_starting_leaks_nothing() -> None:
+    backend = CountingBackend(start_delay_s=0.2)
+    pool = EnvPool(backend, EnvLaunch(env_id="echo-v1"))
+    with pytest.raises(TimeoutError):
+        async with pool.lease(timeout_s=0.05):
+            pass
+    assert pool.stats().starting == 0
+    assert backend.started == []
+    await pool.aclose()
+
+
+# --- the local-process backend ------------------------------------------------------------------
+
+
+async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> None:
+    state = tmp_path / "instances"
+    launch = EnvLaunch(env_id="echo-v1", sessions=2, labels={"envport-run": "r1"})
+    async with LocalProcessBackend(state, cwd=ROOT) as first:
+        instance = await first.start(launch)
+        assert instance.url is not None
+        assert instance.start_latency_s is not None
+        assert await first.healthy(instance)
+        async with instance.client() as env:
+            await env.reset()
+            result = await env.step({"message": "hi"})
+            assert result.observation["echoed_message"] == "hi"
+        assert [i.instance_id for i in await first.list({"envport-run": "r1"})] == [
+            instance.instance_id
+        ]
+        assert await first.list({"envport-run": "other"}) == []
+        # A second backend object (a restarted controller) finds it and can stop it.
+        second = LocalProcessBackend(state)
+        (adopted,) = await second.list({"envport-run": "r1"})
+        assert adopted.url == instance.url
+        await second.stop(adopted)
+        await second.aclose()
+        assert not await first.healthy(instance)
+        assert await first.list() == []
+    assert list(state.iterdir()) == []
+
+
+async def test_local_backend_start_failure_names_the_cause_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "instances"
+    async with LocalProcessBackend(state, cwd=ROOT) as backend:
+        with pytest.raises(BackendError, match="no-such-env-v1"):
+            await backend.start(EnvLaunch(env_id="no-such-env-v1"))
+        assert await backend.list() == []
+    assert list(state.iterdir()) == []
+
+
+async def test_pool_drops_lost_sessions_and_recycles_after_half_are_lost() -> None:
+    backend = CountingBackend()
+    pool = EnvPool(backend, EnvLaunch(env_id="echo-v1", sessions=4))
+    async with pool.lease() as lease:
+        lease.lose_session()  # one hung session on a healthy 4-session instance
+    instance = lease.instance.instance_id
+    assert pool.stats().instances == 1  # kept
+    async with pool.lease() as lease:
+        assert lease.instance.instance_id == instance
+        lease.lose_session()
+    assert pool.stats().instances == 0  # 2 of 4 lost: recycled
+    assert pool.stats().retired == 1
+    await pool.aclose()
+    assert backend.stopped == [instance]
