@@ -7,6 +7,9 @@
    built-in agent against envport's local scripted model server (token ids and logprobs
    in vLLM's format), each environment behind its own envport server, every trace in a
    SQLite store; then show one trace as a transcript.
+3. Train: GRPO on envport's tiny PyTorch transformer (``envport train-demo``, shortened),
+   every rollout through the controller, the gateway and a served environment; a table
+   per iteration, the reward curve and the trainer's timeline as PNGs.
 
 Everything stays on 127.0.0.1; nothing is downloaded.
 """
@@ -130,9 +133,29 @@ def part_two() -> None:
     )
 
 
+def part_three() -> None:
+    from envport.cli_train import train_demo_command
+
+    console.print(Rule("3 · real RL on this CPU: GRPO on a tiny transformer (envport train-demo)"))
+    train_demo_command(
+        iterations=10,
+        prompts=8,
+        group_size=8,
+        compare_iterations=3,
+        max_staleness=1,
+        warmstart_steps=400,
+        seed=0,
+        out_dir=Path("runs/train-demo"),
+    )
+    console.print(
+        "The full run: [bold]envport train-demo[/] (20 iterations; see docs/training.md)."
+    )
+
+
 def main() -> int:
     part_one()
     part_two()
+    part_three()
     return 0
 
 
