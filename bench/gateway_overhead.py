@@ -3,9 +3,9 @@
 Run from the repository root::
 
     .venv/bin/python bench/gateway_overhead.py             # full run (N=2000, c=1,8,32)
+    .venv/bin/python bench/gateway_overhead.py --upstream-delay-ms 0,20  # both questions
     .venv/bin/python bench/gateway_overhead.py --quick     # smoke run (small N)
-    .venv/bin/python bench/gateway_overhead.py --targets direct,envport --n 500
-    .venv/bin/python bench/gateway_overhead.py --upstream-delay-ms 20   # a "slow model"
+    .venv/bin/python bench/gateway_overhead.py --targets direct,floor-raw,envport --n 500
     .venv/bin/python bench/gateway_overhead.py --json out.json --markdown table.md
 
 One invocation starts, each in its own process, bound to 127.0.0.1 on free ports:
@@ -17,6 +17,11 @@ One invocation starts, each in its own process, bound to 127.0.0.1 on free ports
   ``--stream-chunks`` chunks (chunked transfer encoding), the first content chunk sent at
   once and the rest ``--chunk-gap-ms`` apart, so a gateway that buffers shows in the
   time to first token.
+* ``floor-raw`` / ``floor``: a bare pass-through proxy (``_floor`` mode): raw ASGI on
+  uvicorn (uvloop + httptools when installed), no auth, parsing or recording, with a
+  minimal asyncio-streams client (``floor-raw``: the least a Python proxy costs here) or
+  one pooled ``aiohttp.ClientSession`` (``floor``). Measured in the same run, they show
+  what any Python gateway must pay on this machine, and what envport adds on top.
 * ``envport``: ``.venv/bin/python -m envport.gateway --upstream URL/v1 --port P
   --store DB`` (orchestrator token from ``ENVPORT_GATEWAY_TOKEN``). Calls go to
   ``{base_url}/chat/completions`` with the rollout's token, one rollout per client
@@ -35,11 +40,16 @@ Each target gets a warm-up first. Latency is per request (write to last byte);
 throughput is requests / wall time of that target's rounds. ``cpu us/call`` is the
 gateway process's CPU time (user+sys, all threads, from /proc) per call.
 
-On a machine with several cores the client is pinned to CPU 0 and the servers to the
-remaining CPUs (``--no-pin`` to turn off). With a zero-latency upstream every process is
-CPU-bound, so throughput "% of direct" at high concurrency measures how much CPU the
-gateway spends per call relative to client + upstream; ``--upstream-delay-ms`` adds a
-model-like delay, which is where the throughput target is meaningful.
+Pinning (``--layout``; ``--no-pin`` to turn off): ``proxy-alone`` (default) gives the
+proxy under test CPUs 1.. and puts the client and the fake upstream (a gateway's outside
+world; a model server is on another machine in production) on CPU 0; ``client-alone``
+puts the client alone on CPU 0 and proxy and upstream on the rest.
+
+``--upstream-delay-ms`` takes one or more delays (comma-separated): one full run each,
+with fresh servers. With 0 every process is CPU-bound, so "+p50" is the proxy's own cost
+and throughput "% of direct" at high concurrency compares CPU per call; with a model-like
+delay (20 ms) "% of direct" says whether the gateway keeps up with the model, which is
+where the throughput target is meaningful.
 """
 
 from __future__ import annotations
@@ -296,6 +306,110 @@ def run_upstream(port: int, delay_ms: float, chunks: int, gap_ms: float) -> None
     asyncio.run(main())
 
 
+# --- the floor: the least a Python proxy on this stack can cost ----------------------------
+
+
+def run_floor(port: int, upstream: str, client: str) -> None:
+    """A bare pass-through proxy: raw ASGI on uvicorn (uvloop + httptools when installed);
+    no auth, no parsing, no recording. Streams are relayed piece by piece.
+
+    ``client`` is its upstream client: ``aiohttp`` (one pooled ``ClientSession``, what
+    envport uses) or ``raw`` (asyncio streams, keep-alive, just enough HTTP/1.1 for this
+    upstream: the least any Python client can cost). What envport's gateway costs above
+    the ``aiohttp`` floor is envport's own work."""
+    import aiohttp
+    import uvicorn
+
+    session: list[aiohttp.ClientSession] = []
+    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    host, _, rest = upstream.removeprefix("http://").partition(":")
+    up_port = int(rest.split("/", 1)[0])
+    json_head = [(b"content-type", b"application/json")]
+    sse_head = [(b"content-type", b"text/event-stream; charset=utf-8")]
+
+    async def lifespan(receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                if session:
+                    await session[0].close()
+                for _, w in idle:
+                    w.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def via_aiohttp(path: str, body: bytes, stream: bool, send: Any) -> None:
+        if not session:
+            session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        headers = {"content-type": "application/json"}
+        async with session[0].post(upstream + path, data=body, headers=headers) as resp:
+            if not stream:
+                data = await resp.read()
+                head = [*json_head, (b"content-length", str(len(data)).encode())]
+                await send({"type": "http.response.start", "status": resp.status, "headers": head})
+                await send({"type": "http.response.body", "body": data})
+                return
+            await send({"type": "http.response.start", "status": resp.status, "headers": sse_head})
+            async for piece in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def via_raw(path: str, body: bytes, stream: bool, send: Any) -> None:
+        if idle:
+            reader, writer = idle.pop()
+        else:
+            reader, writer = await asyncio.open_connection(host, up_port)
+            writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        writer.write(
+            b"POST /v1%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (path.encode(), host.encode(), len(body), body)
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        if b"transfer-encoding: chunked" not in lower:
+            i = lower.find(b"content-length:")
+            n = int(head[i + 15 : lower.find(b"\r\n", i)])
+            data = await reader.readexactly(n)
+            out = [*json_head, (b"content-length", str(n).encode())]
+            await send({"type": "http.response.start", "status": status, "headers": out})
+            await send({"type": "http.response.body", "body": data})
+        else:
+            await send({"type": "http.response.start", "status": status, "headers": sse_head})
+            while True:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    await reader.readline()
+                    break
+                piece = (await reader.readexactly(size + 2))[:-2]
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        idle.append((reader, writer))
+
+    forward = via_raw if client == "raw" else via_aiohttp
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["method"] == "GET":
+            await send({"type": "http.response.start", "status": 200, "headers": json_head})
+            await send({"type": "http.response.body", "body": b'{"status":"ok"}'})
+            return
+        body = b""
+        more = True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        path = scope["path"].split("/v1", 1)[-1]
+        await forward(path, body, b'"stream":true' in body, send)
+
+    uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
+
+
 # --- agent-lightning's proxy (runs in bench/.venvs/agl) ----------------------------------
 
 
@@ -519,7 +633,7 @@ class Bench:
     def _slots(self, t: Target, c: int) -> list[tuple[str, str]]:
         """(path, token) per worker for the next round."""
         self.round_no += 1
-        if t.name == "direct":
+        if t.name in ("direct", "floor", "floor-raw"):
             return [("/v1/chat/completions", "sk-bench")] * c
         if t.name == "envport":
             base = f"http://{HOST}:{t.port}"
@@ -713,6 +827,13 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 if mode == "stream":
                     row["added_ttft_ms"] = row["ttft_p50_ms"] - base["ttft"] * 1e3
             rows.append(row)
+    # what each gateway costs above the bare pass-through proxy (the floor)
+    for key in keys:
+        mode, c = key
+        f = next((r for r in rows if r["target"] == "floor" and (r["mode"], r["c"]) == key), None)
+        for r in rows:
+            if f is not None and (r["mode"], r["c"]) == key and r["target"] in ("envport", "agl"):
+                r["over_floor_p50_ms"] = r["p50_ms"] - f["p50_ms"]
     # agl-added / envport-added
     for key in keys:
         mode, c = key
@@ -749,6 +870,7 @@ COLUMNS = [
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("added_ttft_ms", "+TTFT ms"),
     ("cpu_us_per_call", "gw cpu us/call"),
+    ("over_floor_p50_ms", "p50 over floor ms"),
     ("ratio_p50", "agl/envport +p50"),
     ("ratio_p99", "agl/envport +p99"),
 ]
@@ -770,7 +892,7 @@ def cell(row: dict[str, Any], k: str) -> str:
         return _f(v, "{:.1f}x")
     if k.startswith("added") and row["target"] == "direct":
         return "-"
-    return _f(v, "{:.3f}" if k.startswith("added") else "{:.2f}")
+    return _f(v, "{:.3f}" if k.startswith(("added", "over")) else "{:.2f}")
 
 
 def print_table(rows: list[dict[str, Any]], title: str) -> None:
@@ -814,6 +936,14 @@ def main() -> None:
         a = p.parse_args()
         run_upstream(a.port, a.delay_ms, a.chunks, a.gap_ms)
         return
+    if sub == "_floor":
+        p.add_argument("mode")
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--upstream", required=True)
+        p.add_argument("--client", choices=["aiohttp", "raw"], default="aiohttp")
+        a = p.parse_args()
+        run_floor(a.port, a.upstream, a.client)
+        return
     if sub == "_agl":
         p.add_argument("mode")
         p.add_argument("--port", type=int, required=True)
@@ -826,15 +956,20 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000, help="requests per target per level")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--stream-n", type=int, default=500, help="streamed requests per level")
-    p.add_argument("--stream-concurrency", default="1,8")
+    p.add_argument("--stream-concurrency", default="1,8,32")
     p.add_argument("--round", type=int, default=100, help="requests per target per round")
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--targets", default="direct,envport,agl")
-    p.add_argument("--upstream-delay-ms", type=float, default=0.0)
+    p.add_argument("--targets", default="direct,floor-raw,floor,envport,agl")
+    p.add_argument(
+        "--upstream-delay-ms",
+        default="0",
+        help="model generation delay(s), comma-separated: one full run per value",
+    )
     p.add_argument("--stream-chunks", type=int, default=8)
     p.add_argument("--chunk-gap-ms", type=float, default=2.0)
     p.add_argument("--agl-python", default=str(AGL_VENV / "bin" / "python"))
     p.add_argument("--no-pin", action="store_true")
+    p.add_argument("--layout", choices=["proxy-alone", "client-alone"], default="proxy-alone")
     p.add_argument("--quick", action="store_true", help="smoke run: n=200, stream-n=50")
     p.add_argument("--json", default=None, help="write rows as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
@@ -846,20 +981,65 @@ def main() -> None:
     args.stream_concurrency = [int(x) for x in str(args.stream_concurrency).split(",") if x]
     names = [x for x in args.targets.split(",") if x]
 
+    delays = [float(x) for x in str(args.upstream_delay_ms).split(",") if x]
     ncpu = os.cpu_count() or 1
     pin = not args.no_pin and ncpu >= 2 and hasattr(os, "sched_setaffinity")
-    client_cpus = {0} if pin else None
-    server_cpus = set(range(1, ncpu)) if pin else None
+    if pin and args.layout == "proxy-alone":
+        # The proxy under test gets a core to itself; the client and the fake model
+        # server (both "the outside world" for a gateway) share the other.
+        client_cpus, upstream_cpus, proxy_cpus = {0}, {0}, set(range(1, ncpu))
+    elif pin:  # client-alone: the earlier layout
+        client_cpus, upstream_cpus, proxy_cpus = {0}, set(range(1, ncpu)), set(range(1, ncpu))
+    else:
+        client_cpus = upstream_cpus = proxy_cpus = None
     if client_cpus:
         os.sched_setaffinity(0, client_cpus)
+    base_logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="gw-bench-"))
+    results = []
+    markdowns = []
+    for delay in delays:
+        logs = base_logs / f"delay-{delay:g}ms"
+        logs.mkdir(parents=True, exist_ok=True)
+        cpus = (upstream_cpus, proxy_cpus)
+        targets, elapsed = run_once(args, names, delay, logs, cpus)
+        rows = summarize(targets)
+        where = {
+            "proxy-alone": "proxy on CPU 1; client + upstream on CPU 0",
+            "client-alone": "client on CPU 0; proxy + upstream on CPU 1",
+        }[args.layout]
+        title = (
+            f"Gateway overhead: N={args.n}/target/level (stream {args.stream_n}), "
+            f"upstream delay {delay:g} ms, {args.stream_chunks} chunks "
+            f"{args.chunk_gap_ms:g} ms apart, {ncpu} CPUs ({where if pin else 'unpinned'})"
+            f", {elapsed:.0f} s"
+        )
+        print_table(rows, title)
+        for t in targets:
+            if t.errors:
+                print(f"{t.name}: {t.errors} failed requests", file=sys.stderr)
+        results.append({"title": title, "delay_ms": delay, "rows": rows})
+        markdowns.append(f"{title}\n\n" + markdown(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join(markdowns))
 
-    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="gw-bench-"))
-    logs.mkdir(parents=True, exist_ok=True)
+
+def run_once(
+    args: argparse.Namespace,
+    names: list[str],
+    delay_ms: float,
+    logs: Path,
+    cpus: tuple[set[int] | None, set[int] | None],
+) -> tuple[list[Target], float]:
+    """Start the upstream (with ``delay_ms``) and every target, measure, stop them all."""
+    upstream_cpus, server_cpus = cpus
     py = sys.executable
     me = str(Path(__file__).resolve())
     orch = "orch-bench-token"
-    ports = {"upstream": free_port(), "envport": free_port(), "agl": free_port()}
+    ports = {n: free_port() for n in ("upstream", "envport", "agl", "floor", "floor-raw")}
     upstream_url = f"http://{HOST}:{ports['upstream']}/v1"
+    agl_ids: list[list[str]] = []
     with contextlib.ExitStack() as stack:
         up = stack.enter_context(
             started(
@@ -870,14 +1050,14 @@ def main() -> None:
                     "--port",
                     str(ports["upstream"]),
                     "--delay-ms",
-                    str(args.upstream_delay_ms),
+                    str(delay_ms),
                     "--chunks",
                     str(args.stream_chunks),
                     "--gap-ms",
                     str(args.chunk_gap_ms),
                 ],
                 logs / "upstream.log",
-                cpus=server_cpus,
+                cpus=upstream_cpus,
             )
         )
         wait_http(f"http://{HOST}:{ports['upstream']}/health", up, "fake upstream")
@@ -907,11 +1087,24 @@ def main() -> None:
                 )
                 wait_http(f"http://{HOST}:{ports['envport']}/health", proc, "envport gateway")
                 targets.append(Target("envport", ports["envport"], proc.pid))
+            elif name in ("floor", "floor-raw"):
+                client = "raw" if name == "floor-raw" else "aiohttp"
+                cmd = [py, me, "_floor", "--port", str(ports[name]), "--client", client]
+                proc = stack.enter_context(
+                    started(
+                        [*cmd, "--upstream", upstream_url],
+                        logs / f"{name}.log",
+                        cpus=server_cpus,
+                    )
+                )
+                wait_http(f"http://{HOST}:{ports[name]}/health", proc, f"{name} proxy")
+                targets.append(Target(name, ports[name], proc.pid))
             elif name == "agl":
                 agl_py = ensure_agl(Path(args.agl_python))
                 (logs / "agl-ids.json").unlink(missing_ok=True)
                 env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
                 env["LITELLM_LOG"] = "ERROR"
+                env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no network fetch at start
                 # The LiteLLM that agentlightning 0.3 pulls in refuses to start without a
                 # master key, and with one, LLMProxy's own readiness probe (GET /health,
                 # no key) gets 401 and it kills itself after 60 s. So run it as agl
@@ -952,26 +1145,11 @@ def main() -> None:
                 raise SystemExit(f"unknown target {name!r}")
         print(f"servers up (logs in {logs}); measuring ...", file=sys.stderr)
         bench = Bench(args, targets, orch)
-        if "agl" in names:
-            bench.agl_ids = agl_ids
+        bench.agl_ids = agl_ids
         t0 = time.monotonic()
         asyncio.run(bench.run())
         elapsed = time.monotonic() - t0
-    rows = summarize(targets)
-    title = (
-        f"Gateway overhead: N={args.n}/target/level (stream {args.stream_n}), "
-        f"upstream delay {args.upstream_delay_ms:g} ms, {args.stream_chunks} chunks "
-        f"{args.chunk_gap_ms:g} ms apart, {ncpu} CPUs{' (client pinned to CPU 0)' if pin else ''}"
-        f", {elapsed:.0f} s"
-    )
-    print_table(rows, title)
-    for t in targets:
-        if t.errors:
-            print(f"{t.name}: {t.errors} failed requests", file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(f"{title}\n\n" + markdown(rows))
+    return targets, elapsed
 
 
 if __name__ == "__main__":

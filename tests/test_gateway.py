@@ -28,6 +28,9 @@ from envport.gateway import (
     RetryPolicy,
     create_gateway_app,
 )
+from envport.gateway.capture import StreamAssembler, has_output
+from envport.gateway.http1 import Http1Pool, Timeouts
+from envport.gateway.upstream import client_timeout
 from envport.policy import ScriptedPolicy, create_policy_app
 from envport.serving import free_port, serve_in_thread
 from envport.trace import ErrorKind, ModelCall, SQLiteTraceStore, TraceStatus
@@ -675,7 +678,7 @@ async def test_unknown_rollout_is_404(gw: Served) -> None:
 
 
 async def test_missing_unknown_and_expired_tokens_are_401(gw: Served) -> None:
-    ro = await gw.rollout(ttl_s=0.2)
+    ro = await gw.rollout(ttl_s=1.0)  # long enough for the first calls on a loaded machine
     url = f"{ro['base_url']}/chat/completions"
     body = {"model": "m", "messages": ASK}
     async with httpx.AsyncClient() as http:
@@ -687,7 +690,7 @@ async def test_missing_unknown_and_expired_tokens_are_401(gw: Served) -> None:
         assert r.json()["error"]["type"] == "authentication_error"
         r = await http.post(url, json=body, headers={"x-api-key": ro["token"]})
         assert r.status_code == 200  # the Anthropic SDK's header works too
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(max(0.0, ro["expires_at"] - time.time()) + 0.05)
         r = await http.post(url, json=body, headers={"x-api-key": ro["token"]})
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "expired_token"
@@ -811,3 +814,239 @@ async def test_an_agent_leaving_mid_stream_is_recorded_and_frees_its_slot(serve:
     assert call.choices[0].completion_token_ids == [1, 2]  # what was relayed is kept
     assert stats["in_flight"] == 0
     assert stats["upstreams"][0]["in_flight"] == 0
+
+
+# --- the hot path: raw ASGI dispatch, lazy records, background writes ---------------------------
+
+
+async def test_records_are_built_when_read_with_the_latency_of_the_call(gw: Served) -> None:
+    ro = await gw.rollout()
+    rollout = gw.gw.rollouts[ro["rollout_id"]]
+    async with gw.client(ro) as client:
+        t0 = time.perf_counter()
+        await client.chat.completions.create(model="m", messages=ASK)
+        elapsed = time.perf_counter() - t0
+    assert len(rollout._pending) == 1  # noted on the response path, not built
+    await asyncio.sleep(0.2)
+    [call] = await gw.calls(ro["rollout_id"])
+    assert not rollout._pending
+    assert call.latency_s is not None
+    assert call.latency_s <= elapsed  # measured when the call ended, not when read
+    assert call.choices[0].completion_token_ids
+    assert call.metadata["token_ids"] == "present"
+
+
+async def test_model_paths_keep_their_http_semantics(gw: Served) -> None:
+    ro = await gw.rollout()
+    auth = {"authorization": f"Bearer {ro['token']}"}
+    async with httpx.AsyncClient(base_url=gw.url, headers=auth) as http:
+        r = await http.get(f"/rollouts/{ro['rollout_id']}/v1/chat/completions")
+        assert r.status_code == 405
+        r = await http.post("/rollouts//v1/chat/completions", json={"messages": ASK})
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "not_found_error"
+        r = await http.post(f"/rollouts/{ro['rollout_id']}/v1/embeddings", json={})
+        assert r.status_code == 404
+        r = await http.post(
+            f"/rollouts/{ro['rollout_id']}/v1/chat/completions",
+            content=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/json"
+        assert r.headers["x-envport-call-id"]
+        assert int(r.headers["content-length"]) == len(r.content)
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.id == r.headers["x-envport-call-id"]
+
+
+class _BrokenPolicy(GatewayPolicy):
+    def apply(self, body: dict[str, Any], api: str) -> dict[str, Any]:
+        raise RuntimeError("policy bug")
+
+
+async def test_a_gateway_bug_is_a_500_in_the_api_shape_and_nothing_is_held(
+    serve: Any, upstream: tuple[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    served: Served = serve([upstream[0]], policy=_BrokenPolicy())
+    ro = await served.rollout()
+    headers = {"x-api-key": ro["token"]}
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{ro['base_url']}/chat/completions", json=body, headers=headers)
+        assert r.status_code == 500
+        assert "policy bug" in r.json()["error"]["message"]
+        r = await http.post(f"{ro['anthropic_base_url']}/v1/messages", json=body, headers=headers)
+        assert r.status_code == 500
+        assert r.json()["type"] == "error"
+    stats = await served.stats()
+    await served.admin.aclose()
+    assert stats["in_flight"] == 0
+    assert stats["upstreams"][0]["in_flight"] == 0
+    assert "policy bug" in caplog.text  # logged with its traceback
+
+
+async def test_concurrent_finishes_are_all_stored_and_outlive_the_gateway(
+    upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "traces.db"
+    store = SQLiteTraceStore(path)
+    gateway = Gateway([upstream[0]], store=store, retry=FAST_RETRY)
+    with serve_in_thread(create_gateway_app(gateway)) as url:
+        served = Served(gateway, url)
+        rollouts = [await served.rollout(task_id=f"t{i}") for i in range(12)]
+        for ro in rollouts:
+            async with served.client(ro) as client:
+                await client.chat.completions.create(model="m", messages=ASK)
+        finishes = await asyncio.gather(
+            *(
+                served.admin.post(f"/admin/rollouts/{ro['rollout_id']}/finish", json={})
+                for ro in rollouts
+            )
+        )
+        assert all(r.status_code == 200 and r.json()["stored"] for r in finishes)
+        await served.admin.aclose()
+    # The server is gone (its lifespan closed the writer); the file has every trace.
+    assert gateway.writer is not None
+    assert gateway.writer.written == 12
+    store.close()
+    with SQLiteTraceStore(path) as again:
+        traces = again.query()
+    assert sorted(t.task_id or "" for t in traces) == sorted(f"t{i}" for i in range(12))
+    assert all(len(t.model_calls) == 1 for t in traces)
+
+
+async def test_an_injected_client_is_used_and_left_open(upstream: tuple[str, Any]) -> None:
+    # In-process (httpx's ASGITransport), with the caller's own HTTP client.
+    pool = Http1Pool(Timeouts(connect=5, read=30))
+    gateway = Gateway([upstream[0]], client=pool, retry=FAST_RETRY)
+    grant = gateway.create_rollout()
+    transport = httpx.ASGITransport(app=create_gateway_app(gateway))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        r = await http.post(
+            f"/rollouts/{grant.rollout_id}/v1/chat/completions",
+            json={"model": "m", "messages": ASK},
+            headers={"authorization": f"Bearer {grant.token}"},
+        )
+    await gateway.aclose()
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    assert gateway.pool.client is pool
+    assert not pool.closed  # the caller's, so the gateway did not close it
+    assert pool.idle_connections() == 1  # kept alive for the next call
+    await pool.aclose()
+    assert pool.idle_connections() == 0
+    [call] = gateway.rollouts[grant.rollout_id].calls
+    assert call.choices[0].completion_token_ids
+
+
+async def test_streams_and_calls_reuse_one_upstream_connection(gw: Served) -> None:
+    ro = await gw.rollout()
+    async with gw.client(ro) as client:
+        for stream in (True, False, True, True):
+            if stream:
+                out: list[Any] = []
+                await collect(
+                    await client.chat.completions.create(model="m", messages=ASK, stream=True),
+                    out,
+                )
+                assert out
+            else:
+                await client.chat.completions.create(model="m", messages=ASK)
+
+            async def parked() -> bool:
+                return gw.gw.pool.client.idle_connections() == 1
+
+            await wait_for(parked)  # back in the pool once the stream's end was read
+    assert len(await gw.calls(ro["rollout_id"])) == 4
+    stats = await gw.stats()
+    assert stats["upstreams"][0]["in_flight"] == 0
+
+
+def test_upstream_timeouts_from_httpx_or_seconds() -> None:
+    assert client_timeout(httpx.Timeout(0.3, connect=2.0)) == Timeouts(connect=2.0, read=0.3)
+    assert client_timeout(5) == Timeouts(connect=5.0, read=5.0)
+    given = Timeouts(connect=1, read=None)
+    assert client_timeout(given) is given
+    assert client_timeout(None) == Timeouts(connect=10.0, read=600.0)
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning": "hmm"}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c"}]}}]},
+        {"choices": [{"index": 0, "delta": {}, "token_ids": [5]}]},
+        {"choices": [{"index": 0, "delta": {}, "token_ids": []}]},
+        {"choices": [{"index": 0, "text": "x"}]},
+        {"choices": [{"index": 0, "text": ""}]},
+        {"choices": [], "usage": {"prompt_tokens": 1}},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    ],
+)
+def test_has_output_agrees_with_the_assembler(chunk: dict[str, Any]) -> None:
+    api = "completions" if any("text" in c for c in chunk["choices"]) else "chat.completions"
+    assert has_output(chunk) == StreamAssembler(api).feed(chunk)
+
+
+# --- restarts ---------------------------------------------------------------------------------
+
+
+async def test_a_restarted_gateway_takes_back_its_live_rollouts(
+    upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    path = tmp_path / "traces.db"
+    first = Gateway([upstream[0]], store=SQLiteTraceStore(path), retry=FAST_RETRY)
+    with serve_in_thread(create_gateway_app(first)) as url:
+        served = Served(first, url)
+        ro = await served.rollout(task_id="t-restart", metadata={"k": "v"})
+        short = await served.rollout(ttl_s=0.05)  # its token expires while the gateway is down
+        done = await served.rollout()
+        async with served.client(ro) as client:
+            await client.chat.completions.create(model="m", messages=ASK)
+        r = await served.admin.post(f"/admin/rollouts/{done['rollout_id']}/finish", json={})
+        assert r.status_code == 200
+        await served.admin.aclose()
+    assert first.store is not None
+    first.store.store.close()
+    await asyncio.sleep(0.1)
+
+    second = Gateway([upstream[0]], store=SQLiteTraceStore(path), retry=FAST_RETRY)
+    assert second.restored == 1
+    assert set(second.rollouts) == {ro["rollout_id"]}  # not the expired one, not the finished one
+    assert short["rollout_id"] not in second.rollouts
+    with serve_in_thread(create_gateway_app(second)) as url:
+        # The orchestrator token is per process; the agent keeps the token it was given.
+        served = Served(second, url)
+        ro_again = {
+            **ro,
+            "base_url": ro["base_url"].replace(ro["base_url"].split("/rollouts")[0], url),
+        }
+        async with served.client(ro_again) as client:
+            resp = await client.chat.completions.create(model="m", messages=ASK)
+        assert resp.choices[0].message.content
+        view = await served.view(ro["rollout_id"])
+        assert len(view["model_calls"]) == 1  # the call before the restart was in memory
+        assert view["info"]["task_id"] == "t-restart"
+        assert view["info"]["metadata"] == {"k": "v"}
+        [note] = view["errors"]
+        assert note["kind"] == "infrastructure"
+        assert "restarted" in note["message"]
+        r = await served.admin.post(f"/admin/rollouts/{ro['rollout_id']}/finish", json={})
+        assert r.status_code == 200
+        await served.admin.aclose()
+    assert second.store is not None
+    second.store.store.close()
+
+    third = Gateway([upstream[0]], store=SQLiteTraceStore(path))
+    assert third.restored == 0  # finished rollouts are not taken back
+    await third.aclose()
+    assert third.store is not None
+    third.store.store.close()
+    with SQLiteTraceStore(path) as store:
+        [trace] = store.query(task_id="t-restart")
+    assert len(trace.model_calls) == 1
+    assert any("restarted" in e.message for e in trace.errors)

@@ -4,6 +4,8 @@
   streaming relay, status codes).
 * :mod:`envport.gateway.auth` — scoped tokens: the orchestrator's and each rollout's agent's.
 * :mod:`envport.gateway.upstream` — least-loaded sticky routing, retries, pause/drain.
+* :mod:`envport.gateway.http1` — the lean keep-alive HTTP/1.1 client of the upstream hop.
+* :mod:`envport.gateway.writer` — traces written in batches, in the background.
 * :mod:`envport.gateway.capture` — what is recorded for each call, and the trainer's
   :class:`GatewayPolicy`.
 * :mod:`envport.gateway.translate` — Anthropic Messages and OpenAI Responses over chat.

@@ -32,21 +32,31 @@ can only be told in-band: the agent gets an SSE error event (which the openai SD
 as ``APIError``) and the stream ends. Every one of these failures on a known rollout is
 recorded on it: upstream ones as the call's error with kind ``model_provider``, malformed
 requests as rollout errors with kind ``harness``.
+
+**The hot path.** A model call costs the agent only what it must: :class:`GatewayApp`
+sends a ``POST`` to a model path straight to its endpoint (raw ASGI: no middleware, no
+route scan, no ``Request``); the request is parsed once; the upstream hop goes through
+a lean keep-alive client (:mod:`envport.gateway.http1`); a JSON answer is sent as
+upstream's bytes, and a stream event by event as it arrives. The call is *noted* on its
+rollout after the answer is sent, and the pydantic :class:`~envport.trace.ModelCall`
+(choices, token ids, logprobs, usage) is built only when someone reads the rollout.
+Traces are written by a background :class:`~envport.gateway.writer.TraceWriter`, never
+by a model call. ``bench/gateway_overhead.py`` measures what this costs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import importlib
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 from uuid import uuid4
 
-import anyio
-import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -54,7 +64,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from envport.errors import EnvportError
 from envport.gateway.auth import Grant, TokenRegistry, token_from_headers
@@ -66,7 +76,7 @@ from envport.gateway.capture import (
     RolloutInfo,
     RolloutState,
     RolloutView,
-    StreamAssembler,
+    has_output,
     model_provider_error,
     request_digest,
 )
@@ -82,16 +92,23 @@ from envport.gateway.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from envport.gateway.http1 import Http1Pool
+from envport.gateway.registry import Registration, RolloutRegistry
 from envport.gateway.upstream import (
     RETRY_STATUSES,
+    STREAM_ERRORS,
     Opened,
     PauseGate,
     RetryPolicy,
+    Timeout,
     UpstreamFailure,
     UpstreamPool,
 )
+from envport.gateway.writer import TraceWriter
 from envport.trace.model import ErrorKind, Trace, TraceError
-from envport.trace.store import AsyncTraceStore, TraceStore
+from envport.trace.store import AsyncTraceStore, SQLiteTraceStore, TraceStore
+
+_log = logging.getLogger("envport.gateway")
 
 ROLLOUT_HEADER = "x-envport-rollout"
 CALL_ID_HEADER = "x-envport-call-id"
@@ -200,8 +217,8 @@ class Gateway:
         store: TraceStore | AsyncTraceStore | None = None,
         policy: GatewayPolicy | None = None,
         retry: RetryPolicy | None = None,
-        client: httpx.AsyncClient | None = None,
-        timeout: httpx.Timeout | None = None,
+        client: Http1Pool | None = None,
+        timeout: Timeout | None = None,
         upstream_api_key: str | None = None,
         token_ttl_s: float | None = 24 * 3600.0,
         pause_wait_s: float = 600.0,
@@ -221,6 +238,11 @@ class Gateway:
             self.store = store
         else:
             self.store = AsyncTraceStore(store)
+        self.writer = TraceWriter(self.store.store) if self.store is not None else None
+        self.registry: RolloutRegistry | None = None
+        backing = self.store.store if self.store is not None else None
+        if isinstance(backing, SQLiteTraceStore) and backing.path != ":memory:":
+            self.registry = RolloutRegistry(backing.path)
         self.policy = policy or GatewayPolicy()
         self.gate = PauseGate(policy_version)
         self.token_ttl_s = token_ttl_s
@@ -231,6 +253,28 @@ class Gateway:
         self.rollouts: dict[str, Rollout] = {}
         self._finished: OrderedDict[str, Trace] = OrderedDict()
         self.counters = {"calls": 0, "call_errors": 0, "denied": 0, "rollouts_finished": 0}
+        self.restored = self._restore_rollouts()
+
+    def _restore_rollouts(self) -> int:
+        """Take back the live rollouts a previous gateway on the same file registered."""
+        if self.registry is None:
+            return 0
+        registrations = self.registry.live()
+        for reg in registrations:
+            info = RolloutInfo.model_validate_json(reg.info_json)
+            self.tokens.restore_agent(reg.rollout_id, reg.token_digest, reg.expires_at)
+            rollout = Rollout(reg.rollout_id, info, reg.expires_at)
+            rollout.created_at = datetime.fromtimestamp(reg.created_at, UTC)
+            rollout.errors.append(
+                TraceError(
+                    kind=ErrorKind.INFRASTRUCTURE,
+                    message="The gateway restarted while this rollout was live; the model "
+                    f"calls recorded before {datetime.now(UTC).isoformat()} were lost.",
+                    where="gateway",
+                )
+            )
+            self.rollouts[reg.rollout_id] = rollout
+        return len(registrations)
 
     @property
     def orchestrator_token(self) -> str:
@@ -252,7 +296,20 @@ class Gateway:
             )
         ttl = info.ttl_s if info.ttl_s is not None else self.token_ttl_s
         token, grant = self.tokens.issue_agent(rollout_id, ttl)
-        self.rollouts[rollout_id] = Rollout(rollout_id, info, grant.expires_at)
+        rollout = Rollout(rollout_id, info, grant.expires_at)
+        if self.registry is not None:
+            digest = self.tokens.digest_of(rollout_id)
+            assert digest is not None
+            self.registry.add(
+                Registration(
+                    rollout_id,
+                    digest,
+                    grant.expires_at,
+                    rollout.created_at.timestamp(),
+                    info.model_dump_json(),
+                )
+            )
+        self.rollouts[rollout_id] = rollout
         return RolloutGrant(rollout_id, token, grant.expires_at)
 
     def rollout(self, rollout_id: str) -> Rollout:
@@ -290,8 +347,10 @@ class Gateway:
                 )
             )
         trace = rollout.to_trace(finish or FinishRequest())
-        if self.store is not None:
-            await self.store.put(trace)
+        if self.writer is not None:
+            await self.writer.put(trace)
+        if self.registry is not None:
+            self.registry.remove(rollout_id)
         rollout.state = RolloutState.FINISHED
         del self.rollouts[rollout_id]
         self.pool.forget(rollout_id)
@@ -334,16 +393,22 @@ class Gateway:
         }
 
     async def aclose(self) -> None:
-        await self.pool.aclose()
+        """Write the traces still queued, then close the upstream connections."""
+        try:
+            if self.writer is not None:
+                await self.writer.aclose()
+        finally:
+            if self.registry is not None:
+                self.registry.close()
+                self.registry = None
+            await self.pool.aclose()
 
     # --- model calls ------------------------------------------------------------------
 
-    def _rollout_for_call(self, request: Request, grant: Grant) -> Rollout:
-        rollout_id = (
-            request.path_params.get("rollout_id")
-            or request.headers.get(ROLLOUT_HEADER)
-            or grant.rollout_id
-        )
+    def _rollout_for_call(
+        self, path_rollout: str | None, headers: dict[str, str], grant: Grant
+    ) -> Rollout:
+        rollout_id = path_rollout or headers.get(ROLLOUT_HEADER) or grant.rollout_id
         if not rollout_id:
             raise BadRequestError(
                 "Which rollout? Call /rollouts/{rollout_id}/v1/..., or send the "
@@ -359,24 +424,46 @@ class Gateway:
             )
         return rollout
 
-    async def handle_call(self, request: Request, api: Api) -> Response:
+    async def serve_call(
+        self, api: Api, path_rollout: str | None, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Serve one model call (raw ASGI): answer the agent, then record the call."""
+        call: _Call | None = None
+        try:
+            outcome, call = await self.handle_call(api, path_rollout, scope, receive)
+        except Exception as exc:  # a bug: log it, answer 500 in the API's shape
+            _log.exception("model call on %s failed inside the gateway", scope["path"])
+            internal = GatewayError(f"Internal gateway error: {type(exc).__name__}: {exc}")
+            await internal.response(api.dialect)(scope, receive, send)
+            return
+        try:
+            await outcome(scope, receive, send)
+        finally:
+            if call is not None:
+                call.done()
+
+    async def handle_call(
+        self, api: Api, path_rollout: str | None, scope: Scope, receive: Receive
+    ) -> tuple[ASGIApp, _Call | None]:
+        """What to answer a model call, and the call to record once it is answered."""
+        headers = _call_headers(scope)
         rollout: Rollout | None = None
         try:
-            grant = self.tokens.check(token_from_headers(request.headers))
-            rollout = self._rollout_for_call(request, grant)
-            raw = await request.body()
+            grant = self.tokens.check(token_from_headers(headers))
+            rollout = self._rollout_for_call(path_rollout, headers, grant)
+            raw = await _read_body(receive)
             body = _json_object(raw)
         except GatewayError as exc:
             if rollout is None:
                 self.counters["denied"] += 1
             else:
                 rollout.errors.append(_harness_error(exc))
-            return exc.response(api.dialect)
-        return await self._forward(request, api, rollout, raw, body)
+            return exc.response(api.dialect), None
+        return await self._forward(api, rollout, headers, raw, body)
 
     async def _forward(
-        self, request: Request, api: Api, rollout: Rollout, raw: bytes, body: dict[str, Any]
-    ) -> Response:
+        self, api: Api, rollout: Rollout, headers: dict[str, str], raw: bytes, body: JSON
+    ) -> tuple[ASGIApp, _Call | None]:
         try:
             chat_body = api.to_chat(body) if api.to_chat is not None else body
         except (EnvportError, KeyError, TypeError, ValueError) as exc:
@@ -386,7 +473,7 @@ class Gateway:
                 error_code="untranslatable_request",
             )
             rollout.errors.append(_harness_error(error))
-            return error.response(api.dialect)
+            return error.response(api.dialect), None
         forwarded = self.policy.apply(chat_body, api.parse_as)
         stream = forwarded.get("stream") is True
         try:
@@ -395,7 +482,7 @@ class Gateway:
             rollout.errors.append(
                 TraceError(kind=ErrorKind.INFRASTRUCTURE, message=exc.message, where="gateway")
             )
-            return exc.response(api.dialect)
+            return exc.response(api.dialect), None
         rollout.begin()
         call = _Call(
             gateway=self,
@@ -409,7 +496,7 @@ class Gateway:
                 streamed=stream,
             ),
             digest=request_digest(raw),
-            client_retry=_int_header(request.headers.get(SDK_RETRY_HEADER)),
+            client_retry=_int_header(headers.get(SDK_RETRY_HEADER)),
         )
         payload = raw if forwarded is body else orjson.dumps(forwarded)
         try:
@@ -419,29 +506,45 @@ class Gateway:
         except UpstreamFailure as failure:
             call.record.attempts = [a.to_json() for a in failure.attempts]
             call.fail(failure.error)
-            call.done()
-            return failure.error.response(api.dialect)
+            return failure.error.response(api.dialect), call
         except BaseException:
             call.done()
             raise
         call.record.endpoint = opened.upstream.url(api.upstream_path)
         call.record.attempts = [a.to_json() for a in opened.attempts]
-        call.record.status = opened.response.status_code
-        if stream and opened.response.status_code < 400:
-            return _Relay(call, opened)
-        try:
-            await opened.response.aread()
-        except httpx.HTTPError as exc:
-            broken = UpstreamError(f"Upstream body could not be read: {exc}")
-            call.fail(broken)
-            call.done()
-            return broken.response(api.dialect)
-        finally:
-            await opened.aclose()
-        try:
-            return call.answer(opened.response)
-        finally:
-            call.done()
+        call.record.status = opened.status
+        if stream and opened.status < 400:
+            return _Relay(call, opened), call
+        await opened.aclose()  # the body is read already
+        return call.answer(opened), call
+
+
+_WANTED_HEADERS = frozenset(
+    {b"authorization", b"x-api-key", ROLLOUT_HEADER.encode(), SDK_RETRY_HEADER.encode()}
+)
+
+
+def _call_headers(scope: Scope) -> dict[str, str]:
+    """The few request headers a model call reads (names lower-case, as ASGI gives them)."""
+    return {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in scope["headers"]
+        if k in _WANTED_HEADERS
+    }
+
+
+async def _read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    parts = [body]
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        parts.append(message.get("body", b""))
+    return b"".join(parts)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -483,6 +586,25 @@ def _upstream_message(content: bytes) -> str:
     return content[:300].decode("utf-8", "replace")
 
 
+class _Answer:
+    """A whole JSON answer, sent as is (raw ASGI: two messages, nothing else)."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, body: bytes, call_id: str) -> None:
+        self.status = status
+        self.body = body
+        self.headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (CALL_ID_HEADER.encode(), call_id.encode()),
+        ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 @dataclasses.dataclass
 class _Call:
     """One call in progress; :meth:`done` records it and releases its slots, once."""
@@ -502,33 +624,33 @@ class _Call:
             )
 
     def done(self) -> None:
+        """Note the call on its rollout (built later, when read) and free its slots."""
         if self._done:
             return
         self._done = True
         gw = self.gateway
         try:
-            call = self.record.build(self.api.parse_as)
-            self.rollout.record(call, self.digest, self.client_retry)
+            self.rollout.add(self.record, self.api.parse_as, self.digest, self.client_retry)
             gw.counters["calls"] += 1
-            if call.error is not None:
+            if self.record.error is not None:
                 gw.counters["call_errors"] += 1
         finally:
             self.rollout.end()
             gw.gate.leave()
 
-    def answer(self, response: httpx.Response) -> Response:
+    def answer(self, opened: Opened) -> ASGIApp:
         """The agent's answer to a non-streamed call; notes the outcome on the record."""
-        status, content = response.status_code, response.content
-        headers = {CALL_ID_HEADER: self.record.call_id}
+        status, content = opened.status, opened.body
         if status >= 400:
             message = f"Upstream answered HTTP {status}: {_upstream_message(content)}"
             self.record.error = model_provider_error(
                 message, type="UpstreamStatusError", retryable=status in RETRY_STATUSES
             )
             if self.api.dialect == "openai" and not self.api.translated:
-                if "retry-after" in response.headers:
-                    headers["retry-after"] = response.headers["retry-after"]
-                media = response.headers.get("content-type", "application/json")
+                headers = {CALL_ID_HEADER: self.record.call_id}
+                if "retry-after" in opened.headers:
+                    headers["retry-after"] = opened.headers["retry-after"]
+                media = opened.headers.get("content-type", "application/json")
                 return Response(content, status, headers=headers, media_type=media)
             error = GatewayError(message)
             error.status = status
@@ -556,7 +678,7 @@ class _Call:
                 )
                 self.fail(error, retryable=False)
                 return error.response(self.api.dialect)
-        return Response(content, status, headers=headers, media_type="application/json")
+        return _Answer(status, content, self.record.call_id)
 
 
 # --- streams ------------------------------------------------------------------------------
@@ -572,6 +694,8 @@ class _StreamBroken(Exception):
 
 def _sse_data(event: bytes) -> bytes | None:
     """The ``data`` of one SSE event (lines joined), or None for a comment/keep-alive."""
+    if event.startswith(b"data: ") and event.find(b"\n") == len(event) - 2:
+        return event[6:-2]  # the usual case: one data line
     parts = [
         line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
     ]
@@ -586,49 +710,63 @@ def _error_event(dialect: Dialect, message: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-class _Relay(Response):
+class _Relay:
     """Relays an upstream SSE stream to the agent event by event, recording as it goes.
 
-    Each event is sent on as soon as its terminating blank line arrives; nothing waits
-    for the rest of the stream. If upstream fails midway (dropped connection, read
-    timeout, a chunk that is not JSON, an error event, no ``[DONE]``), the agent gets an
-    error event and the stream ends; the call is recorded with the error. If the agent
-    goes away, the upstream request is closed and the call recorded as cut by the client.
+    Each event is sent on, as the upstream's bytes, as soon as its terminating blank line
+    arrives; nothing waits for the rest of the stream. Each chunk is parsed once (to
+    catch errors and the first token) and kept; folding the chunks into the recorded
+    response waits until the rollout is read. If upstream fails midway (dropped
+    connection, read timeout, a chunk that is not JSON, an error event, no ``[DONE]``),
+    the agent gets an error event and the stream ends; the call is recorded with the
+    error. If the agent goes away (one waiting ``receive()`` hears it), the relay is
+    cancelled, the upstream request closed and the call recorded as cut by the client.
     """
 
     def __init__(self, call: _Call, opened: Opened) -> None:
-        super().__init__(status_code=opened.response.status_code)
-        # Exactly these headers (Response would declare "content-length: 0").
-        self.raw_headers = [
+        self.status = opened.status
+        self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (CALL_ID_HEADER.encode(), call.record.call_id.encode()),
         ]
         self.call = call
         self.opened = opened
-        self.assembler = StreamAssembler(call.api.parse_as)
+        self.chunks: list[dict[str, Any]] = []
+        self._first = False
+        self._complete = False  # [DONE] arrived
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        relaying = True
         client_gone = False
+
+        def heard(message: asyncio.Future[Message]) -> None:
+            nonlocal client_gone
+            if message.cancelled() or message.exception() is not None:
+                return
+            if message.result()["type"] == "http.disconnect" and relaying:
+                client_gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(heard)
         try:
-            start = {"status": self.status_code, "headers": self.raw_headers}
-            await send({"type": "http.response.start", **start})
-            async with anyio.create_task_group() as tg:
-
-                async def watch() -> None:
-                    nonlocal client_gone
-                    while True:
-                        message: Message = await receive()
-                        if message["type"] == "http.disconnect":
-                            client_gone = True
-                            tg.cancel_scope.cancel()
-                            return
-
-                tg.start_soon(watch)
-                await self._pump(send)
-                tg.cancel_scope.cancel()
+            await send(
+                {"type": "http.response.start", "status": self.status, "headers": self.headers}
+            )
+            await self._pump(send)
+            relaying = False
+        except asyncio.CancelledError:
+            relaying = False
+            if not client_gone:
+                raise
+            task.uncancel()
         finally:
-            with anyio.CancelScope(shield=True):
+            relaying = False
+            watcher.cancel()
+            if client_gone or not self._complete:
                 await self.opened.aclose()
             if client_gone and self.call.record.error is None:
                 self.call.record.error = TraceError(
@@ -637,13 +775,19 @@ class _Relay(Response):
                     where="gateway",
                 )
             self._record()
-        if not client_gone:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await asyncio.wait([watcher])
+            if not client_gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            # After [DONE] and the agent's answer is complete: read the end of upstream's
+            # body so its connection is reused (a new connection per stream costs more).
+            await self.opened.finish()
 
     def _record(self) -> None:
         """Record the call (once): before [DONE] is relayed, or when the stream fails."""
-        if self.assembler.events:
-            self.call.record.response = self.assembler.response()
+        if self.chunks:
+            self.call.record.chunks = self.chunks
         self.call.done()
 
     async def _pump(self, send: Send) -> None:
@@ -674,26 +818,28 @@ class _Relay(Response):
         buf = b""
         url = self.opened.upstream.base_url
         try:
-            async for piece in self.opened.response.aiter_bytes():
-                buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
-                while (end := buf.find(b"\n\n")) >= 0:
-                    raw, buf = buf[: end + 2], buf[end + 2 :]
-                    data = _sse_data(raw)
-                    if data is None:
-                        yield raw, None
-                        continue
-                    if data.strip() == b"[DONE]":
-                        self._record()
-                        yield raw, None
-                        return
-                    yield raw, self._chunk(data)
-        except httpx.TimeoutException as exc:
+            async with contextlib.aclosing(self.opened.chunks()) as pieces:
+                async for piece in pieces:
+                    buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
+                    while (end := buf.find(b"\n\n")) >= 0:
+                        raw, buf = buf[: end + 2], buf[end + 2 :]
+                        data = _sse_data(raw)
+                        if data is None:
+                            yield raw, None
+                            continue
+                        if data.strip() == b"[DONE]":
+                            self._complete = True
+                            self._record()
+                            yield raw, None
+                            return
+                        yield raw, self._chunk(data)
+        except TimeoutError as exc:
             raise _StreamBroken(
                 UpstreamTimeoutError(f"Upstream {url} stalled mid-stream: {exc!r}")
             ) from exc
-        except httpx.TransportError as exc:
+        except STREAM_ERRORS as exc:
             raise _StreamBroken(
-                UpstreamError(f"Upstream {url} broke the stream midway: {exc}")
+                UpstreamError(f"Upstream {url} broke the stream midway: {exc!r}")
             ) from exc
         raise _StreamBroken(UpstreamError(f"Upstream {url} ended the stream before [DONE]."))
 
@@ -710,7 +856,9 @@ class _Relay(Response):
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else str(error)
             raise _StreamBroken(UpstreamError(f"Upstream reported an error mid-stream: {message}"))
-        if self.assembler.feed(chunk):
+        self.chunks.append(chunk)
+        if not self._first and has_output(chunk):
+            self._first = True
             self.call.record.mark_first_token()
         return chunk
 
@@ -877,24 +1025,67 @@ def _unavailable(name: str) -> Callable[[Request], Any]:
     return endpoint
 
 
-def create_gateway_app(gateway: Gateway) -> Starlette:
+class _ModelRoute:
+    """The ASGI endpoint of one model API, on its plain and rollout-scoped paths."""
+
+    def __init__(self, gateway: Gateway, api: Api) -> None:
+        self.gateway = gateway
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rollout_id = scope.get("path_params", {}).get("rollout_id")
+        await self.gateway.serve_call(self.api, rollout_id, scope, receive, send)
+
+
+class GatewayApp(Starlette):
+    """Starlette for the admin routes, with model calls dispatched before its routing.
+
+    A ``POST`` to a model path goes straight to its :class:`_ModelRoute` (no middleware
+    stack, no route scan, no ``Request``); the same endpoints are Starlette routes too,
+    so anything else about those paths (a ``GET``: 405; a ``root_path``) is answered as
+    before.
+    """
+
+    def __init__(self, model_routes: dict[str, _ModelRoute], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model_routes = model_routes
+
+    def _model_route(self, scope: Scope) -> tuple[_ModelRoute, str | None] | None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+            return None
+        path: str = scope["path"]
+        if path.startswith("/rollouts/"):
+            rollout_id, slash, rest = path[10:].partition("/")
+            route = self.model_routes.get(slash + rest) if rollout_id else None
+            return (route, rollout_id) if route is not None else None
+        route = self.model_routes.get(path)
+        return (route, None) if route is not None else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hit = self._model_route(scope)
+        if hit is None:
+            await super().__call__(scope, receive, send)
+            return
+        route, rollout_id = hit
+        await route.gateway.serve_call(route.api, rollout_id, scope, receive, send)
+
+
+def create_gateway_app(gateway: Gateway) -> GatewayApp:
     """The ASGI app serving ``gateway``; ``app.state.gateway`` is the gateway."""
     messages, responses = _translated_apis()
     routes: list[Route] = []
-
-    def call_route(api: Api) -> Callable[[Request], Any]:
-        async def endpoint(request: Request) -> Response:
-            return await gateway.handle_call(request, api)
-
-        return endpoint
-
-    model_routes: list[tuple[str, Callable[[Request], Any]]] = [
-        ("/v1/chat/completions", call_route(CHAT)),
-        ("/v1/completions", call_route(COMPLETIONS)),
-        ("/v1/messages", call_route(messages) if messages else _unavailable("messages")),
-        ("/v1/responses", call_route(responses) if responses else _unavailable("responses")),
-    ]
-    for path, endpoint in model_routes:
+    model_routes: dict[str, _ModelRoute] = {}
+    for path, api in [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", COMPLETIONS),
+        ("/v1/messages", messages),
+        ("/v1/responses", responses),
+    ]:
+        endpoint: Any
+        if api is None:
+            endpoint = _unavailable(path.rsplit("/", 1)[1])
+        else:
+            endpoint = model_routes[path] = _ModelRoute(gateway, api)
         routes.append(Route(path, endpoint, methods=["POST"]))
         routes.append(Route("/rollouts/{rollout_id}" + path, endpoint, methods=["POST"]))
     admin = _Admin(gateway)
@@ -916,8 +1107,11 @@ def create_gateway_app(gateway: Gateway) -> Starlette:
         finally:
             await gateway.aclose()
 
-    app = Starlette(
-        routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=lifespan
+    app = GatewayApp(
+        model_routes,
+        routes=routes,
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
     )
     app.state.gateway = gateway
     return app
@@ -943,6 +1137,7 @@ __all__ = [
     "COMPLETIONS",
     "Api",
     "Gateway",
+    "GatewayApp",
     "RolloutGrant",
     "create_gateway_app",
 ]

@@ -80,7 +80,8 @@ def token_from_headers(headers: Mapping[str, str]) -> str | None:
 
 
 class TokenRegistry:
-    """Issues, checks and revokes tokens. All state is in memory."""
+    """Issues, checks and revokes tokens (kept in memory; the gateway writes live
+    rollouts' digests to its SQLite file, :mod:`envport.gateway.registry`)."""
 
     def __init__(self, orchestrator_token: str | None = None) -> None:
         self.orchestrator_token = orchestrator_token or new_token(Scope.ORCHESTRATOR)
@@ -97,6 +98,17 @@ class TokenRegistry:
         self._grants[digest] = grant
         self._by_rollout[rollout_id] = digest
         return token, grant
+
+    def digest_of(self, rollout_id: str) -> str | None:
+        """The SHA-256 digest of a rollout's agent token (what is kept, never the token)."""
+        return self._by_rollout.get(rollout_id)
+
+    def restore_agent(self, rollout_id: str, digest: str, expires_at: float | None) -> Grant:
+        """Accept again the agent token whose digest is ``digest`` (after a restart)."""
+        grant = Grant(Scope.AGENT, rollout_id, expires_at)
+        self._grants[digest] = grant
+        self._by_rollout[rollout_id] = digest
+        return grant
 
     def revoke_rollout(self, rollout_id: str) -> None:
         digest = self._by_rollout.pop(rollout_id, None)

@@ -71,6 +71,8 @@ class GatewayPolicy:
 
     def apply(self, body: dict[str, Any], api: str) -> dict[str, Any]:
         """``body`` rewritten (a new dict), or ``body`` itself when nothing changes."""
+        if not (self.request_token_ids or self.stream_usage or self.overrides):
+            return body
         out = dict(body)
         if self.request_token_ids:
             if api == "completions":
@@ -215,6 +217,25 @@ def _presence(flags: list[bool]) -> str:
 # --- reassembling a stream -------------------------------------------------------------
 
 
+def has_output(chunk: Mapping[str, Any]) -> bool:
+    """Whether a chat or completions chunk carries output (text, reasoning, tool calls,
+    token ids): what :meth:`StreamAssembler.feed` answers, without folding the chunk."""
+    for raw in chunk.get("choices") or ():
+        if not isinstance(raw, Mapping):
+            continue
+        if raw.get("token_ids") or raw.get("text"):
+            return True
+        delta = raw.get("delta")
+        if isinstance(delta, Mapping) and (
+            delta.get("content")
+            or delta.get("reasoning_content")
+            or delta.get("reasoning")
+            or delta.get("tool_calls")
+        ):
+            return True
+    return False
+
+
 class StreamAssembler:
     """Folds chat or completions chunks back into the response they add up to."""
 
@@ -343,7 +364,14 @@ def model_provider_error(message: str, *, type: str, retryable: bool = False) ->
 
 @dataclasses.dataclass
 class CallRecord:
-    """What the gateway collects while a call runs; :meth:`build` makes the ModelCall."""
+    """What the gateway collects while a call runs; :meth:`build` makes the ModelCall.
+
+    Only cheap things happen while the call runs: the raw parsed response (or a stream's
+    parsed chunks, folded by :meth:`build`), the time of the first token, and the
+    latency (:meth:`finish`). Building the pydantic record (choices, token ids, logprobs,
+    usage) waits until someone reads the rollout (:attr:`Rollout.calls`), off the
+    response path.
+    """
 
     api: str
     agent_request: dict[str, Any]
@@ -359,13 +387,28 @@ class CallRecord:
     ttft_s: float | None = None
     error: TraceError | None = None
     call_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    chunks: list[dict[str, Any]] | None = None  # a stream's chunks, when no response
+    latency_s: float | None = None
 
     def mark_first_token(self) -> None:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.t0
 
+    def finish(self) -> None:
+        """The call ended now (its latency); the record is built later."""
+        if self.latency_s is None:
+            self.latency_s = time.perf_counter() - self.t0
+
     def build(self, parse_api: str) -> ModelCall:
-        latency = time.perf_counter() - self.t0
+        self.finish()
+        latency = self.latency_s
+        assert latency is not None
+        if self.response is None and self.chunks:
+            assembler = StreamAssembler(parse_api)
+            for chunk in self.chunks:
+                assembler.feed(chunk)
+            self.response = assembler.response()
+            self.chunks = None
         metadata: dict[str, Any] = {"attempt_log": self.attempts}
         if self.status is not None:
             metadata["status"] = self.status
@@ -479,7 +522,8 @@ class Rollout:
         self.created_at = datetime.now(UTC)
         self.expires_at = expires_at
         self.state = RolloutState.LIVE
-        self.calls: list[ModelCall] = []
+        self._calls: list[ModelCall] = []
+        self._pending: list[tuple[CallRecord, str, str, int]] = []
         self.errors: list[TraceError] = []
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -503,11 +547,25 @@ class Rollout:
             return False
         return True
 
+    def add(self, record: CallRecord, parse_api: str, digest: str, client_retry: int) -> None:
+        """Note a finished call; it is built and recorded (in order) when next read."""
+        record.finish()
+        self._pending.append((record, parse_api, digest, client_retry))
+
+    @property
+    def calls(self) -> list[ModelCall]:
+        """The recorded calls, in order (building those not built yet)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for record, parse_api, digest, client_retry in pending:
+                self.record(record.build(parse_api), digest, client_retry)
+        return self._calls
+
     def record(self, call: ModelCall, digest: str, client_retry: int) -> ModelCall:
         """Append ``call``, or fold it into the call the agent's SDK is retrying."""
         index = self._by_request.get(digest) if client_retry > 0 else None
         if index is not None:
-            previous = self.calls[index]
+            previous = self._calls[index]
             call.id = previous.id
             call.attempts += previous.attempts
             call.metadata["client_retries"] = client_retry
@@ -519,10 +577,10 @@ class Rollout:
                 call.metadata.setdefault("earlier_errors", []).append(
                     previous.error.model_dump(mode="json")
                 )
-            self.calls[index] = call
+            self._calls[index] = call
         else:
-            self._by_request[digest] = len(self.calls)
-            self.calls.append(call)
+            self._by_request[digest] = len(self._calls)
+            self._calls.append(call)
         return call
 
     def view(self, upstream: str | None) -> RolloutView:

@@ -79,7 +79,15 @@ def serve_gateway(
     if not given:
         print(f"orchestrator token: {gateway.orchestrator_token}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(create_gateway_app(gateway), host=host, port=port, log_level=log_level)
+        uvicorn.run(
+            create_gateway_app(gateway),
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            loop="auto",  # uvloop when installed (the ``fast`` extra)
+            http="auto",  # httptools when installed
+        )
     finally:
         if gateway.store is not None:
             gateway.store.store.close()

@@ -19,8 +19,12 @@ new calls wait (at most ``wait_s``, then 503 with ``Retry-After``); calls alread
 through finish; ``drain()`` waits for them. ``resume(policy_version)`` opens it and every
 call that passes afterwards is stamped with that version.
 
-Transport: one ``httpx.AsyncClient``; tests may hand in their own (e.g. with a
-``MockTransport``).
+**Transport.** One keep-alive :class:`~envport.gateway.http1.Http1Pool` (or one handed
+in). It replaced ``httpx.AsyncClient`` on this hop because the gateway's added latency
+is mostly the CPU this hop's client spends, and it spends a fraction of what httpx or
+aiohttp do (``bench/GATEWAY_RESULTS.md``). Its exceptions are mapped here, once, to the
+gateway's: :class:`UpstreamFailure` before an answer, and :data:`STREAM_ERRORS` for what
+may break a stream later.
 """
 
 from __future__ import annotations
@@ -30,14 +34,34 @@ import dataclasses
 import email.utils
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from envport.gateway.errors import PausedError, UpstreamError, UpstreamTimeoutError
+from envport.gateway.http1 import ConnectError, Http1Pool, HTTPError, Response, Timeouts
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+STREAM_ERRORS = (HTTPError, OSError, TimeoutError)
+"""What reading an upstream stream may raise once it started (all mapped by the relay)."""
+
+Timeout = httpx.Timeout | Timeouts | float
+
+
+def client_timeout(timeout: Timeout | None) -> Timeouts:
+    """The client's timeouts: ``connect`` to open a connection, ``read`` between bytes.
+
+    Accepts an ``httpx.Timeout`` (its ``connect`` and ``read``), :class:`Timeouts`, or
+    seconds (both). Default: 10 s to connect, 600 s per read.
+    """
+    if timeout is None:
+        return Timeouts()
+    if isinstance(timeout, Timeouts):
+        return timeout
+    if isinstance(timeout, httpx.Timeout):
+        return Timeouts(connect=timeout.connect, read=timeout.read)
+    return Timeouts(connect=float(timeout), read=float(timeout))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +121,12 @@ class Attempt:
     elapsed_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {
+            "upstream": self.upstream,
+            "status": self.status,
+            "error": self.error,
+            "elapsed_s": self.elapsed_s,
+        }
 
 
 class UpstreamFailure(Exception):
@@ -111,21 +140,43 @@ class UpstreamFailure(Exception):
 
 @dataclasses.dataclass
 class Opened:
-    """An upstream answer: the response (body read unless streaming) and its tries.
+    """An upstream answer and its tries: status, headers, and the body (read unless
+    streaming; then :meth:`chunks` reads it as it comes).
 
     Holds its upstream's in-flight slot until :meth:`aclose`.
     """
 
-    response: httpx.Response
+    response: Response
     upstream: Upstream
     attempts: list[Attempt]
+    body: bytes = b""
     _closed: bool = False
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.response.headers
+
+    def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The streamed body, piece by piece as it arrives."""
+        return self.response.chunks()
+
+    async def finish(self, timeout_s: float = 1.0) -> None:
+        """Read what is left of a stream after its last event (the end of the chunked
+        body, normally already on its way) so the connection is reused; then close."""
+        try:
+            await self.response.drain(timeout_s)
+        finally:
+            await self.aclose()
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
             self.upstream.in_flight -= 1
-            await self.response.aclose()
+            self.response.release()  # back to the pool if read to the end, else closed
 
 
 class UpstreamPool:
@@ -136,8 +187,8 @@ class UpstreamPool:
         base_urls: Sequence[str],
         *,
         retry: RetryPolicy | None = None,
-        client: httpx.AsyncClient | None = None,
-        timeout: httpx.Timeout | None = None,
+        client: Http1Pool | None = None,
+        timeout: Timeout | None = None,
         api_key: str | None = None,
         headers: Mapping[str, str] | None = None,
         down_cooldown_s: float = 5.0,
@@ -146,21 +197,23 @@ class UpstreamPool:
             raise ValueError("an UpstreamPool needs at least one upstream base URL")
         self.upstreams = [Upstream(u.rstrip("/")) for u in base_urls]
         self.retry = retry or RetryPolicy()
-        self.timeout = timeout or httpx.Timeout(600.0, connect=10.0)
+        self.timeout = client_timeout(timeout)
         self.down_cooldown_s = down_cooldown_s
-        self._headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        fields = {"content-type": "application/json", "accept-encoding": "identity"}
         if api_key:
-            self._headers["authorization"] = f"Bearer {api_key}"
-        self._headers.update(headers or {})
+            fields["authorization"] = f"Bearer {api_key}"
+        fields.update({k.lower(): v for k, v in (headers or {}).items()})
+        self._headers = tuple(fields.items())
         self._client = client
         self._owns_client = client is None
         self._sticky: dict[str, Upstream] = {}
 
     @property
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> Http1Pool:
+        """The HTTP client (made on first use)."""
         if self._client is None:
-            limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-            self._client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
+            self._client = Http1Pool(self.timeout)
+            self._owns_client = True
         return self._client
 
     async def aclose(self) -> None:
@@ -223,15 +276,15 @@ class UpstreamPool:
             t0 = time.monotonic()
             wait: float | None = None
             try:
-                response = await self._try(upstream, path, body, stream, remaining)
-            except (httpx.TimeoutException, TimeoutError) as exc:
+                response, content = await self._try(upstream, path, body, stream, remaining)
+            except TimeoutError as exc:  # ConnectTimeout and ReadTimeout are TimeoutErrors
                 detail = _describe(exc)
                 last_exc = UpstreamTimeoutError(
                     f"Upstream {upstream.base_url} timed out ({detail}).",
                     error_code="upstream_timeout",
                 )
-            except httpx.TransportError as exc:
-                if isinstance(exc, httpx.ConnectError):
+            except (HTTPError, OSError) as exc:
+                if isinstance(exc, ConnectError):
                     upstream.down_until = time.monotonic() + self.down_cooldown_s
                     avoid.append(upstream)
                 detail = _describe(exc)
@@ -243,17 +296,17 @@ class UpstreamPool:
                 upstream.in_flight -= 1
                 raise
             else:
-                status = response.status_code
+                status = response.status
                 attempts.append(Attempt(upstream.base_url, status, None, time.monotonic() - t0))
                 if status not in RETRY_STATUSES or number == policy.max_attempts:
-                    return Opened(response, upstream, attempts)
+                    return Opened(response, upstream, attempts, content)
                 wait = _retry_after(response.headers.get("retry-after"))
                 wait = policy.backoff(number) if wait is None else wait
                 if time.monotonic() + wait >= deadline:
-                    return Opened(response, upstream, attempts)  # no time for another try
+                    return Opened(response, upstream, attempts, content)  # no time to retry
                 upstream.failures += 1
                 upstream.in_flight -= 1
-                await response.aclose()
+                response.close()
                 await asyncio.sleep(wait)
                 continue
             # An exception: no HTTP answer from this try.
@@ -273,18 +326,14 @@ class UpstreamPool:
 
     async def _try(
         self, upstream: Upstream, path: str, body: bytes, stream: bool, remaining: float
-    ) -> httpx.Response:
-        request = self.client.build_request(
-            "POST", upstream.url(path), content=body, headers=self._headers
-        )
+    ) -> tuple[Response, bytes]:
+        """One POST: the response, and its body unless streaming (then ``b""``)."""
         async with asyncio.timeout(remaining):
-            response = await self.client.send(request, stream=True)
-            if not stream:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-        return response
+            response = await self.client.post(upstream.url(path), body, self._headers)
+            if stream and response.status < 400:
+                return response, b""
+            content = await response.read()  # closes the connection if it fails
+        return response, content
 
     def stats(self) -> list[dict[str, Any]]:
         return [u.stats() for u in self.upstreams]

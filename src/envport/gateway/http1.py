@@ -1,0 +1,446 @@
+"""A lean HTTP/1.1 client for the gateway's one upstream hop: POST, keep-alive, streaming.
+
+The gateway's added latency is mostly the CPU it spends per call, and most of that was
+the upstream client: on the benchmark machine one call through ``httpx.AsyncClient``
+cost about 1.4 ms of CPU and through an ``aiohttp.ClientSession`` about 0.3 ms, where
+this client (asyncio streams, one write per request, headers parsed once, nothing
+else) costs under 0.1 ms (``bench/GATEWAY_RESULTS.md``). Everything a general client
+does beyond that (cookies, redirects, proxies, auth flows, request building hooks) the
+gateway never needs.
+
+What it speaks is what an OpenAI-compatible server answers: a status line and headers,
+then a body framed by ``Content-Length``, by chunked transfer encoding, or by the end
+of the connection; ``gzip``/``deflate`` bodies are decoded (the gateway asks for
+``identity``, but a server may compress anyway); ``http`` and ``https``. No HTTP/2, no
+proxies, no redirects (a 3xx is an answer like any other).
+
+**Connections** are kept alive per ``(scheme, host, port)`` and reused when a response
+was read to its end and the server did not ask to close. A pooled connection the server
+closed while it sat idle is noticed before use; if the server closes it just as a request
+is sent (nothing of an answer received), the request is sent once more on a new
+connection, as every keep-alive client does.
+
+**Errors** (all :class:`HTTPError`): :class:`ConnectError`, :class:`ConnectTimeout`,
+:class:`ReadTimeout`, :class:`ReadError` (the connection failed while reading), and
+:class:`RemoteProtocolError` (an answer cut short or not HTTP). The timeouts are also
+``TimeoutError``. The names are httpx's, so recorded errors read as they did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import ssl as ssl_module
+import zlib
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+# --- errors -------------------------------------------------------------------------------
+
+
+class HTTPError(Exception):
+    """The upstream could not be reached, or its answer could not be read."""
+
+
+class ConnectError(HTTPError):
+    """No connection (refused, unreachable, name not resolved, TLS handshake failed)."""
+
+
+class ConnectTimeout(HTTPError, TimeoutError):
+    """No connection within the connect timeout."""
+
+
+class ReadTimeout(HTTPError, TimeoutError):
+    """Nothing arrived for the read timeout (waiting for the answer or its next bytes)."""
+
+
+class ReadError(HTTPError):
+    """The connection failed while the answer was being read or the request written."""
+
+
+class RemoteProtocolError(HTTPError):
+    """The answer was cut short or is not HTTP/1.x."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds to connect, and to wait for the next bytes of an answer (None: forever)."""
+
+    connect: float | None = 10.0
+    read: float | None = 600.0
+
+
+_NO_BODY = frozenset({204, 304})
+_CUT = "the server closed the connection before the answer was complete"
+
+
+# --- connections ----------------------------------------------------------------------------
+
+
+class _Connection:
+    __slots__ = ("key", "reader", "writer")
+
+    def __init__(
+        self, key: tuple[str, str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.key = key
+        self.reader = reader
+        self.writer = writer
+
+    def usable(self) -> bool:
+        return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    key: tuple[str, str, int]
+    head: bytes  # request line and fixed headers, up to (not including) content-length
+
+
+class Http1Pool:
+    """Keep-alive HTTP/1.1 connections and :meth:`post` over them.
+
+    >>> pool = Http1Pool(Timeouts(connect=5, read=600))  # doctest: +SKIP
+    >>> response = await pool.post("http://127.0.0.1:8000/v1/chat/completions", body,
+    ...                            (("content-type", "application/json"),))
+    >>> data = await response.read()  # or: async for piece in response.chunks(): ...
+    """
+
+    def __init__(
+        self,
+        timeouts: Timeouts | None = None,
+        *,
+        max_idle_per_host: int = 1024,
+        ssl: ssl_module.SSLContext | None = None,
+    ) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self.max_idle_per_host = max_idle_per_host
+        self._ssl = ssl
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._targets: dict[tuple[str, tuple[tuple[str, str], ...]], _Target] = {}
+        self.closed = False
+
+    # --- pool -------------------------------------------------------------------------
+
+    def _target(self, url: str, headers: tuple[tuple[str, str], ...]) -> _Target:
+        cached = self._targets.get((url, headers))
+        if cached is not None:
+            return cached
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConnectError(f"not an http(s) URL: {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        default = (parts.scheme == "http" and port == 80) or (
+            parts.scheme == "https" and port == 443
+        )
+        host = parts.hostname
+        authority = host if default else f"{host}:{port}"
+        if ":" in host:  # IPv6 literal
+            authority = f"[{host}]" if default else f"[{host}]:{port}"
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        lines = [f"POST {path} HTTP/1.1", f"host: {authority}"]
+        lines += [f"{name}: {value}" for name, value in headers]
+        target = _Target((parts.scheme, host, port), ("\r\n".join(lines) + "\r\n").encode())
+        if len(self._targets) < 1024:
+            self._targets[(url, headers)] = target
+        return target
+
+    async def _connect(self, key: tuple[str, str, int]) -> _Connection:
+        scheme, host, port = key
+        context: ssl_module.SSLContext | None = None
+        if scheme == "https":
+            context = self._ssl or ssl_module.create_default_context()
+        try:
+            async with asyncio.timeout(self.timeouts.connect):
+                reader, writer = await asyncio.open_connection(
+                    host, port, ssl=context, server_hostname=host if context else None
+                )
+        except TimeoutError as exc:
+            raise ConnectTimeout(
+                f"no connection to {host}:{port} within {self.timeouts.connect:g} s"
+            ) from exc
+        except (OSError, ssl_module.SSLError) as exc:
+            raise ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Connection(key, reader, writer)
+
+    def _checkout(self, key: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(key)
+        while idle:
+            conn = idle.pop()
+            if conn.usable():
+                return conn
+            conn.close()
+        return None
+
+    def _checkin(self, conn: _Connection) -> None:
+        idle = self._idle.setdefault(conn.key, [])
+        if self.closed or len(idle) >= self.max_idle_per_host or not conn.usable():
+            conn.close()
+        else:
+            idle.append(conn)
+
+    def idle_connections(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    async def aclose(self) -> None:
+        """Close every idle connection; connections of open responses close with them."""
+        self.closed = True
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in conns:
+                conn.close()
+
+    # --- requests ---------------------------------------------------------------------
+
+    async def post(self, url: str, body: bytes, headers: Sequence[tuple[str, str]]) -> Response:
+        """POST ``body``; returns once the status line and headers arrived."""
+        if self.closed:
+            raise ConnectError("the HTTP client is closed")
+        target = self._target(url, tuple(headers))
+        request = b"%scontent-length: %d\r\n\r\n%s" % (target.head, len(body), body)
+        conn = self._checkout(target.key)
+        reused = conn is not None
+        while True:
+            if conn is None:
+                conn = await self._connect(target.key)
+            try:
+                conn.writer.write(request)
+                return await self._answer(conn)
+            except _Stale:
+                conn.close()
+                if not reused:
+                    raise RemoteProtocolError(f"{_CUT} (no status line received)") from None
+                conn, reused = None, False  # the server dropped an idle connection: once more
+            except BaseException:
+                conn.close()
+                raise
+
+    async def _answer(self, conn: _Connection) -> Response:
+        reader = conn.reader
+        while True:
+            try:
+                async with asyncio.timeout(self.timeouts.read):
+                    raw = await reader.readuntil(b"\r\n\r\n")
+            except TimeoutError as exc:
+                raise ReadTimeout(
+                    f"no answer within the read timeout ({self.timeouts.read:g} s)"
+                ) from exc
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    raise _Stale from exc
+                raise RemoteProtocolError(f"{_CUT} (headers cut short)") from exc
+            except asyncio.LimitOverrunError as exc:
+                raise RemoteProtocolError("the answer's headers are too large") from exc
+            except OSError as exc:
+                if isinstance(exc, ConnectionResetError | BrokenPipeError):
+                    raise _Stale from exc
+                raise ReadError(f"reading the answer failed: {exc}") from exc
+            status, version, headers = _parse_head(raw)
+            if status >= 200:
+                return Response(self, conn, status, version, headers)
+            # 1xx informational: the real answer follows
+
+
+class _Stale(Exception):
+    """No byte of an answer came back: the server had closed the connection."""
+
+
+def _parse_head(raw: bytes) -> tuple[int, bytes, dict[str, str]]:
+    lines = raw[:-4].split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit():
+        raise RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:100]!r}")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise RemoteProtocolError(f"malformed header line: {line[:100]!r}")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return int(rest[:3]), version, headers
+
+
+# --- responses ------------------------------------------------------------------------------
+
+
+class Response:
+    """An answer whose status and headers arrived; read its body, whole or in pieces.
+
+    Reading it to the end gives the connection back to the pool; :meth:`close` drops it.
+    A reader may stop early (leave :meth:`chunks` at a piece) and later read on from there.
+    """
+
+    def __init__(
+        self,
+        pool: Http1Pool,
+        conn: _Connection,
+        status: int,
+        version: bytes,
+        headers: dict[str, str],
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._eof = False
+        connection = headers.get("connection", "").lower()
+        self._keep_alive = version == b"HTTP/1.1" and "close" not in connection
+        self._length: int | None = None
+        self._left = 0  # body bytes still to read, when framed by content-length
+        self._chunked = False
+        if status in _NO_BODY or status < 200:
+            self._length = 0
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._chunked = True
+        elif "content-length" in headers:
+            try:
+                self._length = self._left = int(headers["content-length"])
+            except ValueError:
+                self.close()
+                raise RemoteProtocolError(
+                    f"invalid content-length {headers['content-length']!r}"
+                ) from None
+        else:
+            self._keep_alive = False  # the body ends with the connection
+        try:
+            self._decoder = _decoder(headers.get("content-encoding", ""))
+        except RemoteProtocolError:
+            self.close()
+            raise
+        if self._length == 0:
+            self._finish()
+
+    def at_eof(self) -> bool:
+        """Whether the body was read to its end."""
+        return self._eof
+
+    async def read(self) -> bytes:
+        """The whole body (decoded)."""
+        parts = [piece async for piece in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body, decoded, piece by piece as it arrives."""
+        if self._eof:
+            return
+        if self._conn is None:
+            raise ReadError("the response was closed before its body was read")
+        decoder = self._decoder
+        try:
+            async with contextlib.aclosing(self._raw()) as raw:
+                async for piece in raw:
+                    if decoder is not None:
+                        piece = decoder.decompress(piece)
+                        if not piece:
+                            continue
+                    yield piece
+            if decoder is not None:
+                tail = decoder.flush()
+                if tail:
+                    yield tail
+        except GeneratorExit:
+            raise  # the reader stopped at a piece; the rest can still be read
+        except BaseException:
+            self.close()
+            raise
+        self._finish()
+
+    async def _raw(self) -> AsyncGenerator[bytes, None]:
+        assert self._conn is not None
+        reader = self._conn.reader
+        timeout = self._pool.timeouts.read
+        try:
+            if self._chunked:
+                while True:
+                    async with asyncio.timeout(timeout):
+                        line = await reader.readline()
+                        if not line.endswith(b"\n"):
+                            raise RemoteProtocolError(f"{_CUT} (in a chunk header)")
+                        try:
+                            size = int(line.split(b";", 1)[0].strip(), 16)
+                        except ValueError:
+                            raise RemoteProtocolError(
+                                f"malformed chunk size line {line[:50]!r}"
+                            ) from None
+                        if size == 0:
+                            while (await reader.readline()).strip():
+                                pass  # trailers
+                            return
+                        data = await reader.readexactly(size + 2)
+                    yield data[:-2]
+            elif self._length is not None:
+                while self._left > 0:
+                    async with asyncio.timeout(timeout):
+                        data = await reader.read(min(self._left, 1 << 16))
+                    if not data:
+                        raise RemoteProtocolError(
+                            f"{_CUT} ({self._length - self._left} of {self._length} body bytes)"
+                        )
+                    self._left -= len(data)
+                    yield data
+            else:
+                while True:
+                    async with asyncio.timeout(timeout):
+                        data = await reader.read(1 << 16)
+                    if not data:
+                        return
+                    yield data
+        except TimeoutError as exc:
+            raise ReadTimeout(f"the answer stalled for the read timeout ({timeout:g} s)") from exc
+        except asyncio.IncompleteReadError as exc:
+            raise RemoteProtocolError(f"{_CUT} (in a chunk)") from exc
+        except asyncio.LimitOverrunError as exc:
+            raise RemoteProtocolError("a chunk header line is too long") from exc
+        except OSError as exc:
+            raise ReadError(f"reading the answer failed: {exc}") from exc
+
+    def _finish(self) -> None:
+        self._eof = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            if self._keep_alive:
+                self._pool._checkin(conn)
+            else:
+                conn.close()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Read (and drop) what is left of the body, for at most ``timeout_s``, so the
+        connection can be reused; if that fails or takes longer, the connection is closed."""
+        if self._eof:
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self.chunks():
+                    pass
+        except (HTTPError, TimeoutError):
+            self.close()
+
+    def release(self) -> None:
+        """Done with it: the connection goes back to the pool if the body was read, else
+        it is closed (an unread body cannot be skipped safely)."""
+        if self._conn is not None:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the connection now (idempotent); a pending read ends with an error."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _decoder(encoding: str) -> Any:
+    """A zlib decompressor for the body, or None for identity."""
+    name = encoding.strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib, by its header
+    raise RemoteProtocolError(f"unsupported content-encoding {encoding!r}")

@@ -1,0 +1,427 @@
+"""The gateway's upstream HTTP/1.1 client, against scripted servers on real sockets.
+
+Each server is a raw asyncio TCP server that answers with exactly the bytes a test
+gives it, so framing, keep-alive and every way an answer can go wrong are exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from envport.gateway.http1 import (
+    ConnectError,
+    Http1Pool,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    Timeouts,
+)
+from envport.serving import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+JSON_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (head + content-length body); b"" when the client closed."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b""
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head + await reader.readexactly(length)
+
+
+class Server:
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.url = ""
+
+
+@asynccontextmanager
+async def serve(handler: Handler) -> AsyncIterator[Server]:
+    """Run ``handler(reader, writer, connection_number)`` for each connection."""
+    state = Server()
+    tasks: set[asyncio.Task[None]] = set()
+    writers: set[asyncio.StreamWriter] = set()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        writers.add(writer)
+        try:
+            await handler(reader, writer, state.connections)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            writers.discard(writer)
+            tasks.discard(task)
+
+    port = free_port()
+    server = await asyncio.start_server(on_connect, "127.0.0.1", port)
+    state.url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        yield state
+    finally:
+        server.close()
+        for writer in list(writers):
+            writer.transport.abort()  # handlers waiting on a read see the end and return
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+def answering(*answers: bytes, state: list[Server] | None = None) -> Handler:
+    """A keep-alive handler that answers the n-th request on a connection with answers[n]."""
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        for answer in answers:
+            request = await read_request(reader)
+            if not request:
+                return
+            writer.write(answer)
+            await writer.drain()
+        await reader.read()  # hold the connection open until the client closes it
+
+    return handler
+
+
+def json_answer(body: bytes, extra: bytes = b"") -> bytes:
+    return JSON_HEAD + b"content-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+HEADERS = (("content-type", "application/json"),)
+
+
+async def test_content_length_answers_reuse_one_connection() -> None:
+    async with serve(answering(json_answer(b'{"a":1}'), json_answer(b'{"b":2}'))) as srv:
+        pool = Http1Pool()
+        first = await pool.post(srv.url, b'{"x":1}', HEADERS)
+        assert (first.status, first.headers["content-type"]) == (200, "application/json")
+        assert await first.read() == b'{"a":1}'
+        assert first.at_eof()
+        second = await pool.post(srv.url, b"{}", HEADERS)
+        assert await second.read() == b'{"b":2}'
+        assert srv.connections == 1
+        assert pool.idle_connections() == 1
+        await pool.aclose()
+        assert pool.idle_connections() == 0
+
+
+async def test_the_request_carries_host_length_and_the_given_headers() -> None:
+    seen: list[bytes] = []
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        seen.append(await read_request(reader))
+        writer.write(json_answer(b"{}"))
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        await (await pool.post(srv.url + "?q=1", b'{"k":"v"}', HEADERS)).read()
+        await pool.aclose()
+    head, _, body = seen[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/chat/completions?q=1 HTTP/1.1"
+    assert f"host: {srv.url.split('/')[2]}".encode() in lines
+    assert b"content-type: application/json" in lines
+    assert b"content-length: 9" in lines
+    assert body == b'{"k":"v"}'
+
+
+async def test_chunked_streams_arrive_piece_by_piece() -> None:
+    go_on = asyncio.Event()
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6;ext=1\r\ndata: \r\n")
+        await go_on.wait()  # the client must have the first piece before the rest exists
+        writer.write(b"3\r\nabc\r\n0\r\nx-trailer: t\r\n\r\n")
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        pieces = []
+        async for piece in response.chunks():
+            pieces.append(piece)
+            go_on.set()
+        assert pieces == [b"data: ", b"abc"]
+        assert response.at_eof()
+        assert pool.idle_connections() == 1  # trailers read: the connection is reusable
+        await pool.aclose()
+
+
+async def test_a_body_that_ends_with_the_connection_is_read_and_not_reused() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
+        await writer.drain()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        assert await response.read() == b"all of it"
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+async def test_connection_close_is_honoured() -> None:
+    async with serve(answering(json_answer(b"{}", b"connection: close\r\n"))) as srv:
+        pool = Http1Pool()
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+async def test_gzip_is_decoded_and_unknown_encodings_refused() -> None:
+    packed = gzip.compress(b'{"ok":true}')
+    answers = [
+        JSON_HEAD
+        + b"content-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s" % (len(packed), packed),
+        JSON_HEAD + b"content-encoding: br\r\ncontent-length: 2\r\n\r\nzz",
+    ]
+    async with serve(answering(*answers)) as srv:
+        pool = Http1Pool()
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"ok":true}'
+        with pytest.raises(RemoteProtocolError, match="unsupported content-encoding 'br'"):
+            await pool.post(srv.url, b"{}", HEADERS)
+        await pool.aclose()
+
+
+async def test_an_idle_connection_the_server_dropped_is_replaced_transparently() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(json_answer(b'{"n":%d}' % number))
+        await writer.drain()
+        if number == 1:
+            return  # closes after answering, without saying so: a keep-alive timeout
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":1}'
+        await asyncio.sleep(0.05)
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":2}'
+        assert srv.connections == 2
+        await pool.aclose()
+
+
+async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(json_answer(b'{"n":%d}' % number))
+        await writer.drain()
+        if number == 1:
+            await read_request(reader)  # takes the second request, then drops it unanswered
+            return
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":1}'
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":2}'
+        assert srv.connections == 2
+        await pool.aclose()
+
+
+async def test_no_answer_on_a_new_connection_is_an_error() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)  # and close without a word
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        with pytest.raises(RemoteProtocolError, match="no status line"):
+            await pool.post(srv.url, b"{}", HEADERS)
+        assert srv.connections == 1  # not retried: this was no stale connection
+        await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (JSON_HEAD + b"content-length: 100\r\n\r\n0123456789", "10 of 100 body bytes"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\nabc", "in a chunk"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+    ],
+)
+async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message: str) -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        with pytest.raises(RemoteProtocolError, match=message):
+            await response.read()
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
+        (JSON_HEAD + b"content-length: lots\r\n\r\n", "invalid content-length"),
+        (b"HTTP/1.1 200 OK\r\ncontent-le", "headers cut short"),
+    ],
+)
+async def test_an_answer_that_is_not_http_is_an_error(answer: bytes, message: str) -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        with pytest.raises(RemoteProtocolError, match=message):
+            await pool.post(srv.url, b"{}", HEADERS)
+        await pool.aclose()
+
+
+async def test_informational_answers_are_skipped() -> None:
+    answer = b"HTTP/1.1 100 Continue\r\n\r\n" + json_answer(b"{}")
+    async with serve(answering(answer)) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        assert response.status == 200
+        assert await response.read() == b"{}"
+        await pool.aclose()
+
+
+async def test_errors_and_no_body_statuses() -> None:
+    answers = [
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+        (JSON_HEAD + b"content-length: 2\r\nretry-after: 3\r\n\r\n{}").replace(b"200 OK", b"503 X"),
+    ]
+    async with serve(answering(*answers)) as srv:
+        pool = Http1Pool()
+        empty = await pool.post(srv.url, b"{}", HEADERS)
+        assert (empty.status, empty.at_eof()) == (204, True)
+        assert await empty.read() == b""
+        busy = await pool.post(srv.url, b"{}", HEADERS)
+        assert (busy.status, busy.headers["retry-after"]) == (503, "3")
+        assert await busy.read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()
+
+
+async def test_connect_errors_and_timeouts() -> None:
+    pool = Http1Pool(Timeouts(connect=5, read=0.2))
+    with pytest.raises(ConnectError, match="cannot connect"):
+        await pool.post(f"http://127.0.0.1:{free_port()}/v1", b"{}", HEADERS)
+    with pytest.raises(ConnectError, match="not an http"):
+        await pool.post("ftp://example.invalid/x", b"{}", HEADERS)
+
+    async def silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    async with serve(silent) as srv:
+        with pytest.raises(ReadTimeout, match="read timeout"):
+            await pool.post(srv.url, b"{}", HEADERS)
+        assert isinstance(ReadTimeout(), TimeoutError)
+    await pool.aclose()
+    with pytest.raises(ConnectError, match="closed"):
+        await pool.post("http://127.0.0.1:1/v1", b"{}", HEADERS)
+
+
+async def test_https_to_a_plain_server_fails_to_connect() -> None:
+    async def plain(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    async with serve(plain) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        with pytest.raises(ConnectError):
+            await pool.post(srv.url.replace("http://", "https://"), b"{}", HEADERS)
+        await pool.aclose()
+
+
+async def test_a_reader_may_stop_early_and_drain_the_rest_for_reuse() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n1\r\nb\r\n0\r\n\r\n"
+    sized = JSON_HEAD + b"content-length: 6\r\n\r\n"
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(chunked)
+        await read_request(reader)
+        writer.write(sized + b"abc")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"def")
+        await read_request(reader)
+        writer.write(json_answer(b"{}"))
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        for expected in (b"a", b"abc"):
+            response = await pool.post(srv.url, b"{}", HEADERS)
+            async for piece in response.chunks():
+                assert piece == expected
+                break  # stop after the first piece, as the relay does after [DONE]
+            assert not response.at_eof()
+            await response.drain(5)
+            assert response.at_eof()
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1  # every answer on the one connection
+        await pool.aclose()
+
+
+async def test_a_drain_that_takes_too_long_closes_the_connection() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await reader.read()  # the rest never comes
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        async for _ in response.chunks():
+            break
+        await response.drain(0.1)
+        assert not response.at_eof()
+        assert pool.idle_connections() == 0
+        with pytest.raises(ReadError, match="closed before its body was read"):
+            await response.read()
+        await pool.aclose()
