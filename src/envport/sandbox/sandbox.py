@@ -834,6 +834,10 @@ class Sandbox:
             "LANG": "C.UTF-8",
             "TERM": "dumb",
             "ENVPORT_WORKSPACE": self._shell_cwd(),
+            # An agent that edits a module and reruns its tests within one second, with
+            # a same-sized fix, would otherwise import the stale .pyc (its source stamp
+            # is mtime seconds + size); no __pycache__ in snapshots and forks either.
+            "PYTHONDONTWRITEBYTECODE": "1",
         }
         if not self.isolated:
             env["ENVPORT_UNISOLATED"] = "1"
