@@ -23,7 +23,8 @@ from envport.rollout import (
     RolloutState,
     heartbeat,
 )
-from envport.tasks import Task
+from envport.rollout.backends import EnvInstance, EnvLaunch, Limits
+from envport.tasks import Resources, Task
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, StepRecord, Trace, TraceStatus
 from envport.trace.store import AttemptRecord, RolloutRecord
 from envport.train.rows import build_rows
@@ -325,3 +326,34 @@ async def test_controllers_of_one_run_side_by_side_in_one_process(store: AsyncTr
             tg.create_task(one(f"t{i}"))
     assert {r.state for r in db(store).rollouts(run_id="r")} == {"succeeded"}
     assert {a.state for a in db(store).attempts(run_id="r")} == {"succeeded"}
+
+
+class RecordingBackend(InProcessBackend):
+    """In-process instances, remembering every launch the controller asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.launches: list[EnvLaunch] = []
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        self.launches.append(launch)
+        return await super().start(launch)
+
+
+async def test_env_type_limits_and_task_resources_reach_the_backend(
+    store: AsyncTraceStore,
+) -> None:
+    backend = RecordingBackend()
+    config = ControllerConfig(env_limits={FAULTY: Limits(pids=64, memory_mb=256)}, **FAST)
+    plain = task("plain", ["hi"])
+    big = task("big", ["hi"], resources=Resources(memory_mb=1024, cpus=2, storage_mb=100))
+    summary = await Controller(store, backend, ScriptHarness(), config, run_id="r").run(
+        [RolloutSpec(plain), RolloutSpec(big)]
+    )
+    assert summary.succeeded == 2
+    limits = sorted((launch.limits for launch in backend.launches), key=lambda x: x.memory_mb or 0)
+    # The env type's limits, and the task's resources on top of them, field by field.
+    assert limits == [
+        Limits(pids=64, memory_mb=256),
+        Limits(pids=64, memory_mb=1024, cpus=2, disk_mb=100),
+    ]

@@ -61,7 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envport.client import EnvClient
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
-from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
+from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
 from envport.rollout.pool import EnvPool, Lease, PoolClosedError
 from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
 from envport.tasks import Task
@@ -157,6 +157,11 @@ class ControllerConfig(BaseModel):
     max_episodes: int | None = Field(None, ge=1, description="Recycle an instance after N.")
     env_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="env id -> keyword arguments for its instances."
+    )
+    env_limits: dict[str, Limits] = Field(
+        default_factory=dict,
+        description="env id -> resource limits for its instances; a task's own resources "
+        "(cpus, memory_mb, storage_mb) override them field by field.",
     )
     heartbeat_persist_s: float = Field(5.0, gt=0, description="How often heartbeats are stored.")
 
@@ -488,8 +493,24 @@ class Controller:
             keys = [(f.rollout_id, f.attempt.attempt) for f in self._flights.values()]
             await self._call(self._db.heartbeat_attempts, keys)
 
-    def _pool(self, env_id: str) -> EnvPool:
-        pool = self._pools.get(env_id)
+    def _limits(self, env_id: str, task: Task | None) -> Limits:
+        """The env type's limits, with the task's declared resources on top."""
+        limits = self.config.env_limits.get(env_id, Limits())
+        if task is None:
+            return limits
+        r = task.resources
+        own = {"cpus": r.cpus, "memory_mb": r.memory_mb, "disk_mb": r.storage_mb}
+        return limits.model_copy(update={k: v for k, v in own.items() if v is not None})
+
+    def _pool(self, env_id: str, task: Task | None = None) -> EnvPool:
+        """The pool for instances of ``env_id`` with ``task``'s limits (one per shape)."""
+        limits = self._limits(env_id, task)
+        key = (
+            env_id
+            if limits == self.config.env_limits.get(env_id, Limits())
+            else (f"{env_id}#{limits.model_dump_json(exclude_none=True)}")
+        )
+        pool = self._pools.get(key)
         if pool is None:
             cfg = self.config
             limit = cfg.env_concurrency.get(env_id, cfg.concurrency)
@@ -497,6 +518,7 @@ class Controller:
                 env_id=env_id,
                 options=cfg.env_options.get(env_id, {}),
                 sessions=cfg.sessions_per_instance,
+                limits=limits,
                 labels={RUN_LABEL: self.run_id},
                 start_timeout_s=cfg.env_start_timeout_s,
             )
@@ -508,7 +530,7 @@ class Controller:
                 max_episodes=cfg.max_episodes,
                 health_interval_s=cfg.health_interval_s,
             )
-            self._pools[env_id] = pool
+            self._pools[key] = pool
             assert self._tg is not None, "use `async with Controller(...)`"
             self._services.append(self._tg.create_task(pool.maintain()))
         return pool
@@ -841,7 +863,7 @@ class Controller:
                 raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
             if harness is None:
                 raise EnvportError("no harness: give the controller or the RolloutSpec one")
-            async with self._pool(task.env_id).lease(timeout_s=start_s) as lease:
+            async with self._pool(task.env_id, task).lease(timeout_s=start_s) as lease:
                 try:
                     await self._on_instance(f, lease, harness, call_s, start_s, agent_s, scoring_s)
                 except _StageFailed as failed:
