@@ -357,3 +357,21 @@ async def test_env_type_limits_and_task_resources_reach_the_backend(
         Limits(pids=64, memory_mb=256),
         Limits(pids=64, memory_mb=1024, cpus=2, disk_mb=100),
     ]
+
+
+async def test_a_controller_entered_again_asks_the_store_not_its_old_tasks(
+    store: AsyncTraceStore,
+) -> None:
+    ctl = Controller(
+        store, InProcessBackend(), ScriptHarness(), ControllerConfig(**FAST), run_id="r"
+    )
+    spec = RolloutSpec(task("t", ["hi"]))
+    async with ctl:
+        (first,) = await ctl.collect([spec])
+    async with ctl:
+        (again,) = await ctl.collect([spec])
+    assert not first.skipped
+    assert first.succeeded
+    assert again.skipped
+    assert again.trace.trace_id == first.trace.trace_id
+    assert len(await store.query(run_id="r")) == 1

@@ -429,6 +429,10 @@ class Controller:
                 await self._tg.__aexit__(None, None, None)
         finally:
             self._tg = None
+            # Re-entering starts afresh: the store, not this map, knows what finished.
+            self._tasks.clear()
+            self._services.clear()
+            self._flights.clear()
             pools = list(self._pools.values())
             self._pools.clear()
             results = await asyncio.gather(*(p.aclose() for p in pools), return_exceptions=True)
