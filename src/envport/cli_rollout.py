@@ -6,14 +6,25 @@ latency; the summary table at the end adds attempts, retries, abandoned attempts
 previous controller and re-adopted instances. Killed midway (Ctrl-C or SIGKILL), a run
 is finished by the same command with ``--run-id ID --resume``: every rollout ends up in
 the store exactly once.
+
+``--backend`` picks where environments run: in this process, one local server process
+each, one server per Linux sandbox (``sandbox``; environments that make sandboxes of
+their own, such as ``sandbox-v1``, run their commands unisolated inside it: namespaces
+do not nest there, and the outer sandbox is the isolation), Ray actors or Kubernetes
+Jobs. A backend that cannot run (no isolation, no Ray cluster, no kubeconfig) is one
+clear error before any rollout starts, saying what to do. Sandboxes die with a killed
+controller; what they leave (mounts, cgroups) is removed by the next ``run``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import statistics
+import tempfile
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -34,6 +45,21 @@ if TYPE_CHECKING:
 class BackendName(enum.StrEnum):
     INPROCESS = "inprocess"
     LOCAL = "local"
+    SANDBOX = "sandbox"
+    RAY = "ray"
+    KUBERNETES = "kubernetes"
+
+
+#: What to do when a backend cannot be reached.
+_HINTS = {
+    BackendName.RAY: ". Start a cluster with `ray start --head`, or pass --ray-address.",
+    BackendName.KUBERNETES: ". Pass --kubeconfig PATH (or set KUBECONFIG), or run in a cluster.",
+}
+
+#: Environments that make a sandbox of their own (inside the sandbox backend's sandbox,
+#: where namespaces cannot nest, they run their commands unisolated: the outer sandbox
+#: is the isolation).
+SANDBOXED_ENVS = ("sandbox-v1", "shell-v1")
 
 
 def run_command(
@@ -49,10 +75,41 @@ def run_command(
         BackendName,
         typer.Option(
             case_sensitive=False,
-            help="Where environments run: [bold]inprocess[/] (no sockets) or [bold]local[/] "
-            "(one envport server process per instance).",
+            help="Where environments run: [bold]inprocess[/] (no sockets), [bold]local[/] "
+            "(one envport server process per instance), [bold]sandbox[/] (each server in "
+            "its own Linux sandbox, needs bubblewrap), [bold]ray[/] (actors on a running "
+            "Ray cluster) or [bold]kubernetes[/] (one Job per instance).",
         ),
     ] = BackendName.INPROCESS,
+    allow_unisolated: Annotated[
+        bool,
+        typer.Option(
+            help="Where sandboxes cannot be isolated (no bubblewrap, no user namespaces): "
+            "run them as plain local processes instead of failing ([bold]sandbox[/] falls "
+            "back to [bold]local[/]; sandbox-v1 runs commands unisolated)."
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            help="Ray cluster to use (host:port or ray://host:port). Omitted: the cluster "
+            "started on this machine with `ray start --head`.",
+        ),
+    ] = None,
+    k8s_namespace: Annotated[
+        str, typer.Option(help="Kubernetes namespace for the instances' Jobs.")
+    ] = "default",
+    k8s_image: Annotated[
+        str, typer.Option(help="Container image with envport installed (Kubernetes).")
+    ] = "envport:latest",
+    kubeconfig: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KUBECONFIG",
+            help="Kubeconfig file. Omitted: the in-cluster config, then ~/.kube/config.",
+        ),
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(
@@ -101,6 +158,7 @@ def run_command(
 
     from envport.harness import AgentConfig
     from envport.rollout import ControllerConfig, RolloutSpec
+    from envport.rollout.backends import BackendError
     from envport.tasks import TasksetError, load
 
     if resume and not run_id:
@@ -115,7 +173,12 @@ def run_command(
         _fail(f"{taskset} has no tasks.")
     store.parent.mkdir(parents=True, exist_ok=True)
     run_id = run_id or uuid.uuid4().hex[:12]
+    env_options: dict[str, dict[str, Any]] = {}
+    local = (BackendName.INPROCESS, BackendName.LOCAL, BackendName.SANDBOX)
+    if backend in local and (allow_unisolated or backend is BackendName.SANDBOX):
+        env_options = {env: {"allow_unisolated": True} for env in SANDBOXED_ENVS}
     config = ControllerConfig(
+        env_options=env_options,
         concurrency=concurrency,
         max_attempts=attempts,
         hang_timeout_s=hang_timeout,
@@ -135,6 +198,15 @@ def run_command(
                     f"run {run_id!r} already has traces in {store}; finish it with --resume "
                     "or choose another --run-id"
                 )
+    backend_factory = _backend_factory(
+        backend,
+        state_dir=state_dir or store.parent / "instances",
+        allow_unisolated=allow_unisolated,
+        ray_address=ray_address,
+        k8s_namespace=k8s_namespace,
+        k8s_image=k8s_image,
+        kubeconfig=kubeconfig,
+    )
     with ExitStack() as stack:
         if model is None:
             model = stack.enter_context(local_scripted_model())
@@ -148,8 +220,7 @@ def run_command(
                 _drive(
                     specs,
                     store=store,
-                    backend_name=backend,
-                    state_dir=state_dir or store.parent / "instances",
+                    backend_factory=backend_factory,
                     model_url=model,
                     model_name=model_name,
                     api_key=api_key,
@@ -167,6 +238,9 @@ def run_command(
                 f"--run-id {run_id} --resume --store {store}[/]"
             )
             raise typer.Exit(130) from None
+        except BackendError as exc:
+            _fail(f"--backend {backend.value}: {exc}{_HINTS.get(backend, '')}")
+            return
         except EnvportError as exc:
             _fail(str(exc))
             return
@@ -178,20 +252,98 @@ def run_command(
     out.print(f"Traces: [bold]envport traces list --run {run_id} --store {store}[/]")
 
 
-def _backend(name: BackendName, state_dir: Path) -> Backend:
+def _backend_factory(
+    name: BackendName,
+    *,
+    state_dir: Path,
+    allow_unisolated: bool,
+    ray_address: str | None,
+    k8s_namespace: str,
+    k8s_image: str,
+    kubeconfig: Path | None,
+) -> Callable[[], Backend]:
+    """What makes the backend, after checks that fail fast with a clear message (exit 1)
+    where it cannot run: no isolation for sandboxes, no Ray cluster, no kubeconfig."""
     from envport.rollout import InProcessBackend, LocalProcessBackend
 
     if name is BackendName.LOCAL:
-        return LocalProcessBackend(state_dir)
-    return InProcessBackend()
+        return lambda: LocalProcessBackend(state_dir)
+    if name is BackendName.SANDBOX:
+        from envport.rollout.backends.sandbox import SandboxBackend
+        from envport.sandbox import cleanup_stale, probe
+
+        isolation = probe()
+        if not isolation.isolated:
+            if not allow_unisolated:
+                _fail(
+                    f"--backend sandbox cannot isolate environments here: "
+                    f"{isolation.explain()}. It needs bubblewrap (bwrap) and the right to "
+                    "mount in a user namespace. Pass --allow-unisolated to run them as plain "
+                    "local processes instead (no namespaces, no limits), or use --backend local."
+                )
+            err.print(  # on stderr even with --json: it changes what the run means
+                "[yellow]No sandbox isolation here; --allow-unisolated: running "
+                "environments as local processes (--backend local).[/]"
+            )
+            return lambda: LocalProcessBackend(state_dir)
+        # Sandboxes die with the controller that made them; a killed controller leaves
+        # their mounts and cgroups, which go now (those of live processes are kept).
+        cleanup_stale()
+        return SandboxBackend
+    if name is BackendName.RAY:
+        from envport.rollout.backends.ray import RayBackend
+
+        address = _check_ray(ray_address)
+        return lambda: RayBackend(address)
+    if name is BackendName.KUBERNETES:
+        from envport.rollout.backends.kubernetes import KubernetesBackend
+
+        if (
+            kubeconfig is not None
+            and os.pathsep not in str(kubeconfig)
+            and not kubeconfig.is_file()
+        ):
+            _fail(f"--kubeconfig {kubeconfig}: no such file.")
+        return lambda: KubernetesBackend(
+            namespace=k8s_namespace, image=k8s_image, kubeconfig=kubeconfig
+        )
+    return InProcessBackend
+
+
+def _check_ray(address: str | None) -> str:
+    """The Ray address to connect to; exits with a clear message if nothing answers there
+    (Ray itself would wait a minute, or start a new local cluster)."""
+    import socket
+
+    if address is None:
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        try:
+            address = current.read_text().strip()
+        except OSError:
+            address = ""
+        if not address:
+            _fail(
+                "--backend ray: no Ray cluster is running on this machine. Start one with "
+                "`ray start --head`, or pass --ray-address HOST:PORT (or set RAY_ADDRESS)."
+            )
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        _fail(f"--ray-address {address!r}: expected HOST:PORT or ray://HOST:PORT.")
+    try:
+        socket.create_connection((host, int(port)), timeout=3.0).close()
+    except OSError as exc:
+        _fail(
+            f"--backend ray: no Ray cluster answers at {address} ({exc}). Start one with "
+            "`ray start --head`, or pass the right --ray-address."
+        )
+    return address
 
 
 async def _drive(
     specs: list[RolloutSpec],
     *,
     store: Path,
-    backend_name: BackendName,
-    state_dir: Path,
+    backend_factory: Callable[[], Backend],
     model_url: str,
     model_name: str,
     api_key: str | None,
@@ -211,8 +363,9 @@ async def _drive(
     try:
         async with (
             AsyncTraceStore(SQLiteTraceStore(store)) as traces,
-            _backend(backend_name, state_dir) as backend,
+            backend_factory() as backend,
         ):
+            await _preflight(backend)
             controller = Controller(
                 traces,
                 backend,
@@ -230,6 +383,13 @@ async def _drive(
         await chat.aclose()
     rewards = [r for r in display.rewards if r is not None]
     return summary, (statistics.fmean(rewards) if rewards else None)
+
+
+async def _preflight(backend: Backend) -> None:
+    """Reach the backend once before any rollout starts, so a cluster that cannot be
+    reached is one clear error, not a failed attempt per rollout."""
+    if backend.name in (BackendName.RAY.value, BackendName.KUBERNETES.value):
+        await backend.list()
 
 
 class LiveCounts:

@@ -15,6 +15,12 @@ conversation and plays the built-in environments by rule:
   "create a file NAME containing TEXT", it runs ``echo TEXT > NAME``, then on the next
   turn ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` (mini-swe-agent's way to finish:
   a command whose first output line is that marker and which exits 0);
+- with ``read_file``, ``write_file`` and ``run`` tools (``sandbox-v1``) and a review note
+  "on `FILE`: the code `BAD` should be `GOOD` ... run `COMMAND`" (``builtin:coding``),
+  it reads FILE, writes it back with BAD replaced by GOOD (with probability
+  ``p_correct``; otherwise it writes the file back unchanged, a failed fix), runs
+  COMMAND and reports whether it exited 0 (as a shell comment: sandbox-v1 runs text
+  replies as commands);
 - anything else is echoed back.
 
 Token ids come from :class:`~envport.policy.tokenizer.ByteTokenizer` over the exact text
@@ -356,6 +362,53 @@ def find_file_task(messages: Sequence[Message]) -> FileTask | None:
     return None
 
 
+# --- review-note fixes (sandbox coding tasks) -------------------------------------------------
+
+_FIX_RE = re.compile(
+    r"on\s+`(?P<path>[^`\s]+)`\s*:\s*the\s+code\s+`(?P<bad>[^`]+)`\s+should\s+be\s+"
+    r"`(?P<good>[^`]+)`.*?\brun\s+`(?P<command>[^`]+)`",
+    re.IGNORECASE | re.DOTALL,
+)
+_FIX_TOOLS = ("read_file", "write_file", "run")
+
+
+@dataclass(frozen=True)
+class FixTask:
+    """A review note found in a user message: replace ``bad`` by ``good`` in ``path``,
+    then check with ``command``."""
+
+    message_index: int
+    path: str
+    bad: str
+    good: str
+    command: str
+
+
+def find_fix_task(messages: Sequence[Message]) -> FixTask | None:
+    """The latest user message with a review note naming a file, a fix and a test command.
+
+    Paths that leave the working directory (absolute, or with ``..``) are not matched.
+    """
+    for index in range(len(messages) - 1, -1, -1):
+        if messages[index].get("role") != "user":
+            continue
+        match = _FIX_RE.search(content_text(messages[index].get("content")))
+        if match is None:
+            continue
+        path = match.group("path")
+        if path.startswith("/") or ".." in path.split("/"):
+            continue
+        return FixTask(index, path, match.group("bad"), match.group("good"), match.group("command"))
+    return None
+
+
+def _exit_code(result: str | None) -> int | None:
+    data = _json_or_none(result)
+    if isinstance(data, Mapping) and isinstance(data.get("exit_code"), int):
+        return int(data["exit_code"])
+    return None
+
+
 # --- the policy ----------------------------------------------------------------------------------
 
 
@@ -457,6 +510,9 @@ class ScriptedPolicy:
         file_task = find_file_task(messages) if "bash" in tools else None
         if file_task is not None:
             return self._bash_turn(messages, file_task, tools["bash"])
+        fix_task = find_fix_task(messages) if all(t in tools for t in _FIX_TOOLS) else None
+        if fix_task is not None:
+            return self._fix_turn(messages, fix_task, sampling)
         found = find_arithmetic(user_text)
         if found is not None:
             answer = self._arithmetic_answer(*found, sampling)
@@ -543,6 +599,35 @@ class ScriptedPolicy:
                 f"{task.path} is written; submitting.", (("bash", {param: SUBMIT_COMMAND}),)
             )
         return _Turn(f"Created {task.path}.")
+
+    def _fix_turn(
+        self, messages: Sequence[Message], task: FixTask, sampling: SamplingParams
+    ) -> _Turn:
+        """read_file -> write_file (the fix, or a failed one) -> run the tests -> report."""
+        calls = _calls_since(messages, task.message_index)
+        read = next((c for c in calls if c.name == "read_file"), None)
+        if read is None:
+            return _Turn(f"Reading {task.path}.", (("read_file", {"path": task.path}),))
+        if not any(c.name == "write_file" for c in calls):
+            original = read.result or ""
+            if original.startswith("Error ("):
+                return _Turn(f"I cannot read {task.path}: {original}")
+            draw = (self.seed, sampling.seed, _sample_key(sampling), task.path, task.bad)
+            fixed = _unit("correct", *draw) < self.p_correct
+            content = original.replace(task.bad, task.good, 1) if fixed else original
+            return _Turn(
+                f"Replacing `{task.bad}` with `{task.good}` in {task.path}.",
+                (("write_file", {"path": task.path, "content": content}),),
+            )
+        ran = [c for c in calls if c.name == "run"]
+        if not ran:
+            return _Turn("Running the tests.", (("run", {"command": task.command}),))
+        # A shell comment: an environment that runs text replies as commands (sandbox-v1
+        # does) runs it as a no-op.
+        code = _exit_code(ran[-1].result)
+        if code == 0:
+            return _Turn(f"# Fixed {task.path}: {task.command} passes.")
+        return _Turn(f"# {task.command} still fails (exit {code}); I stop here.")
 
     # --- tokens ---------------------------------------------------------------------------------
 
