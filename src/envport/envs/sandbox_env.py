@@ -28,7 +28,6 @@ already reset, with this episode's step count, to branch a trajectory at step k.
 from __future__ import annotations
 
 import json
-import posixpath
 import uuid
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,6 +35,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from envport.env import Env
+from envport.envs.shell import check_files
 from envport.errors import ActionValidationError, EnvExecutionError, EnvNotResetError, ToolError
 from envport.sandbox import (
     Sandbox,
@@ -139,7 +139,7 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ActionValidationError(f"max_steps must be a positive integer, got {max_steps!r}.")
         workspace = options.get("workspace", self.default_workspace)
-        files = _check_files(options.get("files"))
+        files = check_files(options.get("files"))
         key = json.dumps([str(workspace), files], sort_keys=True)
         if self.sandbox is not None and key == self._task_key:
             try:
@@ -349,27 +349,3 @@ def _workspace_dir(value: Any) -> Path | None:
     if not path.is_dir():
         raise ActionValidationError(f"workspace {str(value)!r} is not a directory.")
     return path
-
-
-def _check_files(value: Any) -> dict[str, tuple[str, bool]]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ActionValidationError("files must map paths to text (or {content, executable}).")
-    files: dict[str, tuple[str, bool]] = {}
-    for path, spec in value.items():
-        if isinstance(spec, str):
-            files[str(path)] = (spec, False)
-        elif isinstance(spec, dict) and isinstance(spec.get("content"), str):
-            files[str(path)] = (spec["content"], bool(spec.get("executable", False)))
-        else:
-            raise ActionValidationError(
-                f"files[{path!r}] must be text or {{'content': text, 'executable': bool}}, "
-                f"got {spec!r:.100}."
-            )
-        norm = posixpath.normpath(str(path))
-        if str(path).startswith("/") or norm == ".." or norm.startswith("../"):
-            raise ActionValidationError(
-                f"files path {path!r} must be relative and stay in the workspace."
-            )
-    return files

@@ -409,7 +409,7 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ActionValidationError(f"max_steps must be a positive integer, got {max_steps!r}.")
         task_dir = _check_task_dir(options.get("task_dir"))
-        files = _check_files(options.get("files"))
+        files = check_files(options.get("files"))
         self._choose_isolation(options.get("allow_unisolated"))
 
         self._remove_workspace()
@@ -648,7 +648,8 @@ def _check_task_dir(value: Any) -> Path | None:
     return path
 
 
-def _check_files(value: Any) -> dict[str, tuple[str, bool]]:
+def check_files(value: Any) -> dict[str, tuple[str, bool]]:
+    """The ``files`` reset option: relative path -> (text, executable), validated."""
     if value is None:
         return {}
     if not isinstance(value, dict):

@@ -262,6 +262,24 @@ class LocalProcessBackend(Backend):
 # --- the server process -------------------------------------------------------------------
 
 
+def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
+    """The ASGI app (and its ServerConfig) that one instance process serves."""
+    from envport.registry import spec
+    from envport.server import ServerConfig, create_app
+
+    found = spec(env)
+    cls = found.load()
+    kwargs: dict[str, Any] = {**found.kwargs, **options}
+
+    def factory() -> Any:
+        return cls(**kwargs)
+
+    factory.__name__ = found.id
+    # Room beyond the leased sessions for ones a dropped connection keeps for resume.
+    config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
+    return create_app(factory, config), config
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of one instance's server process."""
     parser = argparse.ArgumentParser(prog="python -m envport.rollout.backends.local")
@@ -277,20 +295,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn
 
-    from envport.registry import spec
-    from envport.server import ServerConfig, create_app, uvicorn_config
+    from envport.server import uvicorn_config
 
-    found = spec(args.env)
-    cls = found.load()
-    kwargs: dict[str, Any] = {**found.kwargs, **json.loads(args.options)}
-
-    def factory() -> Any:
-        return cls(**kwargs)
-
-    factory.__name__ = found.id
-    # Room beyond the leased sessions for ones a dropped connection keeps for resume.
-    config = ServerConfig(max_sessions=max(2 * args.sessions, args.sessions + 4))
-    app = create_app(factory, config)
+    app, config = instance_app(args.env, args.sessions, json.loads(args.options))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, 0))

@@ -192,19 +192,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn
 
-    from envport.registry import spec
-    from envport.server import ServerConfig, create_app, uvicorn_config
+    from envport.rollout.backends.local import instance_app
+    from envport.server import uvicorn_config
 
-    found = spec(args.env)
-    cls = found.load()
-    kwargs: dict[str, Any] = {**found.kwargs, **json.loads(args.options)}
-
-    def factory() -> Any:
-        return cls(**kwargs)
-
-    factory.__name__ = found.id
-    config = ServerConfig(max_sessions=max(2 * args.sessions, args.sessions + 4))
-    uv = uvicorn_config(create_app(factory, config), host="127.0.0.1", port=0, config=config)
+    app, config = instance_app(args.env, args.sessions, json.loads(args.options))
+    uv = uvicorn_config(app, host="127.0.0.1", port=0, config=config)
     uv.uds = args.uds  # a Unix socket instead of TCP: the sandbox has no shared network
     uvicorn.Server(uv).run()
 
