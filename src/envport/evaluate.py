@@ -31,6 +31,7 @@ from envport.rollout.controller import (
     RolloutEvent,
     RolloutSpec,
     classify,
+    percentiles,
     rollout_id,
 )
 from envport.tasks import Task
@@ -177,17 +178,6 @@ class Evaluator:
         )
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k estimator (Chen et al., 2021)."""
     if n - c < k:
@@ -230,8 +220,8 @@ def summarise(
         mean_reward=statistics.fmean(rewards) if rewards else None,
         pass_at_k=pass_k,
         errors_by_kind=dict(kinds),
-        rollout_latency_s=_pcts([t.timings["total"] for t in traces if "total" in t.timings]),
-        model_latency_s=_pcts(
+        rollout_latency_s=percentiles([t.timings["total"] for t in traces if "total" in t.timings]),
+        model_latency_s=percentiles(
             [c.latency_s for t in traces for c in t.model_calls if c.latency_s is not None]
         ),
         wall_s=wall_s,
