@@ -35,7 +35,21 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from envport.cli_runs import DEFAULT_STORE, StoreOpt, _fail, err, local_scripted_model, out
+from envport.cli_runs import (
+    DEFAULT_STORE,
+    ApiKeyOpt,
+    ConcurrencyOpt,
+    LimitOpt,
+    MaxTurnsOpt,
+    ModelNameOpt,
+    ModelOpt,
+    RolloutsOpt,
+    StoreOpt,
+    _fail,
+    err,
+    local_scripted_model,
+    out,
+)
 from envport.errors import EnvportError
 
 if TYPE_CHECKING:
@@ -110,22 +124,16 @@ def run_command(
             help="Kubeconfig file. Omitted: the in-cluster config, then ~/.kube/config.",
         ),
     ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="OpenAI-compatible base URL (…/v1). Omitted: start envport's local "
-            "[bold]scripted[/] model server (a stand-in, not a model)."
-        ),
-    ] = None,
-    model_name: Annotated[str, typer.Option(help="Model name sent upstream.")] = "default",
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")] = None,
-    rollouts: Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")] = 1,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 16,
+    model: ModelOpt = None,
+    model_name: ModelNameOpt = "default",
+    api_key: ApiKeyOpt = None,
+    rollouts: RolloutsOpt = 1,
+    concurrency: ConcurrencyOpt = 16,
     attempts: Annotated[
         int, typer.Option(min=1, help="Attempts per rollout (infrastructure retries + 1).")
     ] = 3,
-    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")] = None,
-    max_turns: Annotated[int, typer.Option(min=1)] = 10,
+    limit: LimitOpt = None,
+    max_turns: MaxTurnsOpt = 10,
     sessions: Annotated[int, typer.Option(min=1, help="Sessions one instance hosts.")] = 1,
     pool_size: Annotated[
         int, typer.Option(min=0, help="Instances kept warm per environment type.")

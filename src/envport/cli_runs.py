@@ -23,6 +23,21 @@ err = Console(stderr=True)
 DEFAULT_STORE = Path("runs/envport.db")
 StoreOpt = Annotated[Path, typer.Option("--store", help="SQLite trace store (created if missing).")]
 
+# Options `eval` and `run` share.
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="OpenAI-compatible base URL (…/v1). Omitted: start envport's local "
+        "[bold]scripted[/] model server (a stand-in, not a model)."
+    ),
+]
+ModelNameOpt = Annotated[str, typer.Option(help="Model name sent upstream.")]
+ApiKeyOpt = Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")]
+RolloutsOpt = Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")]
+ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", "-c", min=1)]
+LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")]
+MaxTurnsOpt = Annotated[int, typer.Option(min=1)]
+
 
 def _fail(message: str, code: int = 2) -> None:
     err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
@@ -64,19 +79,13 @@ def eval_command(
             show_default=False,
         ),
     ],
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="OpenAI-compatible base URL (…/v1). Omitted: start envport's local "
-            "[bold]scripted[/] model server (a stand-in, not a model)."
-        ),
-    ] = None,
-    model_name: Annotated[str, typer.Option(help="Model name sent upstream.")] = "default",
-    api_key: Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")] = None,
-    rollouts: Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")] = 1,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1)] = 16,
-    limit: Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")] = None,
-    max_turns: Annotated[int, typer.Option(min=1)] = 10,
+    model: ModelOpt = None,
+    model_name: ModelNameOpt = "default",
+    api_key: ApiKeyOpt = None,
+    rollouts: RolloutsOpt = 1,
+    concurrency: ConcurrencyOpt = 16,
+    limit: LimitOpt = None,
+    max_turns: MaxTurnsOpt = 10,
     serve_envs: Annotated[
         bool,
         typer.Option(
