@@ -65,6 +65,15 @@ def test_help_lists_every_command() -> None:
         assert command in result.stdout
 
 
+def test_root_description_names_what_the_command_does_now() -> None:
+    result = envport_cli("--help")
+    assert result.returncode == 0, result.stderr
+    description = result.stdout.split("Options")[0]  # the text above the tables
+    assert "scaffold" not in description
+    for command in ("serve", "check", "init", "eval", "run", "gateway", "traces", "train-demo"):
+        assert f" {command}" in description, command
+
+
 def test_serve_help_shows_the_server_options() -> None:
     result = envport_cli("serve", "--help")
     assert result.returncode == 0, result.stderr

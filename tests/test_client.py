@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from typing import Literal
+import contextlib
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal
 
+import orjson
 import pytest
 from openenv.core.generic_client import GenericEnvClient
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 
 from envport.client import EnvClient
-from envport.errors import ActionValidationError, EnvNotResetError, RemoteError, ToolError
+from envport.client.transports import WebSocketTransport, _ws_url
+from envport.errors import (
+    ActionValidationError,
+    ConnectionLostError,
+    EnvNotResetError,
+    RemoteError,
+    ToolError,
+)
 from envport.server import ServerConfig
+from envport.serving import free_port
 from tests.support.faulty_envs import FaultyEnv
 from tests.support.servers import run_env_server
 
@@ -143,3 +157,214 @@ async def test_many_concurrent_clients(echo_url: str) -> None:
 
     counts = await asyncio.gather(*(episode(i) for i in range(50)))
     assert counts == [i % 5 + 1 for i in range(50)]
+
+
+# --- connection faults and cancellation (WebSocket transport) -------------------------------
+
+
+@asynccontextmanager
+async def tcp_server(answer: bytes | None) -> AsyncIterator[str]:
+    """A real socket that reads the request, writes ``answer`` (if any) and hangs up."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if answer is not None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield f"http://127.0.0.1:{port}"
+
+
+NOT_WEBSOCKET = {
+    "closes at once": None,
+    "plain HTTP 200": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+    "not HTTP at all": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("answer", list(NOT_WEBSOCKET), ids=list(NOT_WEBSOCKET))
+async def test_failed_handshake_is_connection_lost_naming_the_url(answer: str) -> None:
+    async with tcp_server(NOT_WEBSOCKET[answer]) as url:
+        client = EnvClient.connect(url)
+        with pytest.raises(
+            ConnectionLostError, match=r"Cannot connect to ws://127\.0\.0\.1:\d+/ws"
+        ):
+            await client.transport.open()
+        with pytest.raises(ConnectionLostError, match="Cannot connect"):
+            await client.reset()  # and again on the next call, never a websockets error
+
+
+async def test_connection_refused_is_connection_lost() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectionLostError, match=re.escape(_ws_url(url))):
+        async with EnvClient.connect(url):
+            pass
+
+
+async def test_failed_resume_handshake_is_connection_lost(echo_url: str) -> None:
+    async with EnvClient.connect(echo_url) as env, tcp_server(None) as closer:
+        transport = env.transport
+        assert isinstance(transport, WebSocketTransport)
+        transport.resume_attempts = 2
+        await env.reset()
+        transport.url = _ws_url(closer)  # the server is now something that hangs up
+        await transport.drop_connection()
+        with pytest.raises(ConnectionLostError, match="Could not resume session on ws://"):
+            await env.step({"message": "lost"})
+
+
+class ScriptedServer:
+    """A WebSocket server speaking the frame protocol, with or without envport's ``hello``.
+
+    It never answers a step whose message is ``"hold"`` until the next frame arrives;
+    then it answers the held one first (a late reply) and the new one after it. A
+    ``hello`` that resumes waits for ``resume_gate``. A step on a connection that never
+    said ``hello`` gets the error a fresh session would give: the episode is lost.
+    """
+
+    def __init__(self, *, extended: bool) -> None:
+        self.extended = extended
+        self.received: list[dict[str, Any]] = []
+        self.got_frame = asyncio.Event()
+        self.release = asyncio.Event()
+        self.release.set()
+        self.got_resume = asyncio.Event()
+        self.resume_gate = asyncio.Event()
+        self.resume_gate.set()
+
+    async def handle(self, ws: ServerConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._serve(ws)
+
+    async def _serve(self, ws: ServerConnection) -> None:
+        held: list[dict[str, Any]] = []
+        said_hello = False
+        async for raw in ws:
+            frame = orjson.loads(raw)
+            self.received.append(frame)
+            self.got_frame.set()
+            if frame["type"] == "hello":
+                if frame["data"].get("resume"):
+                    self.got_resume.set()
+                    await self.resume_gate.wait()
+                said_hello = True
+                if self.extended:
+                    info = {"session_id": "s1", "token": "t1"}
+                    await ws.send(orjson.dumps({"type": "hello", "id": frame["id"], "data": info}))
+                else:
+                    error = {"message": "Unknown type: hello", "code": "UNKNOWN_TYPE"}
+                    await ws.send(orjson.dumps({"type": "error", "data": error}))
+                continue
+            if frame["type"] == "close":
+                await ws.send(orjson.dumps({"type": "closed"}))
+                continue
+            if self.extended and not said_hello:
+                lost = {"message": "Call reset() before step().", "code": "NOT_RESET"}
+                await ws.send(orjson.dumps({"type": "error", "id": frame["id"], "data": lost}))
+                continue
+            message = (frame.get("data") or {}).get("message")
+            if message == "hold":
+                held.append(frame)
+                continue
+            await self.release.wait()
+            for f in [*held, frame]:
+                data = {"observation": {"echoed_message": f["data"]["message"]}}
+                reply: dict[str, Any] = {"type": "observation", "data": data}
+                if self.extended:
+                    reply["id"] = f["id"]
+                await ws.send(orjson.dumps(reply))
+            held.clear()
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        async with serve(self.handle, "127.0.0.1", 0) as server:
+            port = next(iter(server.sockets)).getsockname()[1]
+            yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("extended", [True, False], ids=["envport", "openenv"])
+async def test_cancelled_request_ends_and_its_late_reply_is_skipped(extended: bool) -> None:
+    script = ScriptedServer(extended=extended)
+    async with script.serving() as url, EnvClient.connect(url) as env:
+        assert env.transport.extended is extended  # type: ignore[attr-defined]
+        script.got_frame.clear()
+        held = asyncio.create_task(env.step({"message": "hold"}))
+        await script.got_frame.wait()
+        held.cancel()
+        done, _ = await asyncio.wait({held}, timeout=5)
+        assert done
+        assert held.cancelled()
+        # The held step's reply arrives before this one's and must not be taken for it.
+        result = await env.step({"message": "next"})
+        assert result.observation["echoed_message"] == "next"
+        assert (await env.step({"message": "again"})).observation["echoed_message"] == "again"
+
+
+async def test_cancellation_is_never_swallowed_when_the_reply_lands() -> None:
+    """Cancel at every scheduling point around the reply's arrival: a request whose
+    cancel() was accepted always ends cancelled (never returns, never keeps reading)."""
+    script = ScriptedServer(extended=True)
+    async with script.serving() as url, EnvClient.connect(url) as env:
+        for yields in range(12):
+            script.release.clear()
+            script.got_frame.clear()
+            call = asyncio.create_task(env.step({"message": f"m{yields}"}))
+            await script.got_frame.wait()
+            script.release.set()  # the server writes the reply now
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            accepted = call.cancel()
+            done, _ = await asyncio.wait({call}, timeout=5)
+            assert done
+            if accepted:
+                assert call.cancelled(), f"cancellation swallowed after {yields} yields"
+            result = await env.step({"message": "after"})
+            assert result.observation["echoed_message"] == "after"
+
+
+async def test_request_cancelled_mid_resume_resumes_on_the_next() -> None:
+    """Cancelled while the resume ``hello`` is unanswered: the next request must resume
+    again, never speak on the half-open connection (a fresh session, episode lost)."""
+    script = ScriptedServer(extended=True)
+    async with script.serving() as url, EnvClient.connect(url) as env:
+        assert (await env.step({"message": "a"})).observation["echoed_message"] == "a"
+        script.resume_gate.clear()
+        await env.transport.drop_connection()  # type: ignore[attr-defined]
+        call = asyncio.create_task(env.step({"message": "b"}))
+        await script.got_resume.wait()
+        call.cancel()
+        done, _ = await asyncio.wait({call}, timeout=5)
+        assert done
+        assert call.cancelled()
+        script.resume_gate.set()
+        assert (await env.step({"message": "c"})).observation["echoed_message"] == "c"
+
+
+async def test_cancel_during_resume_keeps_the_session(echo_url: str) -> None:
+    """Cancel a request at every point of its reconnect: the next request resumes the
+    same session (never a fresh one that silently lost the episode)."""
+    async with EnvClient.connect(echo_url) as env:
+        transport = env.transport
+        assert isinstance(transport, WebSocketTransport)
+        session = transport.session_id
+        await env.reset()
+        steps = 0
+        for yields in range(40):
+            await transport.drop_connection()
+            call = asyncio.create_task(env.step({"message": "x"}))
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            call.cancel()
+            done, _ = await asyncio.wait({call}, timeout=5)
+            assert done
+            result = await env.step({"message": "y"})
+            assert result.observation["echoed_message"] == "y"
+            count = (await env.state())["step_count"]
+            assert count in (steps + 1, steps + 2)  # the cancelled step may have landed
+            steps = count
+        assert transport.session_id == session

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -236,6 +238,31 @@ async def test_cancelling_the_run_kills_the_agent(tmp_path: Path) -> None:
         await run
     leader, _child = (int(p) for p in (workdir / "pids").read_text().split())
     assert not _alive(leader)
+
+
+async def test_cancelling_while_stragglers_are_ended_kills_them(tmp_path: Path) -> None:
+    """The agent exited and left a child that ignores SIGTERM; a cancel during the grace
+    period must still kill the child, not leave it running."""
+    argv = [sys.executable, _script(tmp_path, SLEEPER), "--ignore-term", "--exit"]
+    harness = SubprocessHarness(argv, timeout_s=60, kill_grace_s=60)
+    workdir = tmp_path / "work"
+    run = asyncio.create_task(harness.run("leave a stubborn child", workdir=workdir))
+    pids_file = workdir / "pids"
+    async with asyncio.timeout(20):
+        while True:  # until the agent is gone and its child sits out the grace period
+            if pids_file.exists() and pids_file.read_text():
+                leader, child = (int(p) for p in pids_file.read_text().split())
+                if not _alive(leader):
+                    break
+            await asyncio.sleep(0.05)
+    try:
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        assert not _alive(child)
+    finally:
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 # --- crashes -----------------------------------------------------------------------------------

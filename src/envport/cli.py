@@ -1,4 +1,5 @@
-"""The ``envport`` command: serve, check, scaffold and list environments; run evals.
+"""The ``envport`` command: environments (serve, check, init, envs), rollouts (eval, run,
+gateway, traces) and a training demo (train-demo).
 
 Each command is a thin shell over a library function (``envport.server.serve``,
 :func:`envport.check.check`, :func:`envport.scaffold.scaffold`,
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="envport",
-    help="The environment layer for agentic RL: serve, check and scaffold environments.",
     epilog="Examples: [bold]envport envs[/] · [bold]envport check echo-v1[/] · "
     "[bold]envport serve echo-v1 --port 8000[/] · [bold]envport init my-env[/]",
     no_args_is_help=True,
@@ -87,7 +87,17 @@ def _root(
         ),
     ] = False,
 ) -> None:
-    """The environment layer for agentic RL: serve, check and scaffold environments."""
+    """The environment layer for agentic RL: serve, check and create environments; run and
+    score rollouts; record agents' model calls; inspect traces; train on them.
+
+    Environments: [bold]serve[/], [bold]check[/], [bold]init[/] (a new one), [bold]envs[/].
+
+    Rollouts: [bold]eval[/] (a taskset, built-in agent), [bold]run[/] (the controller, any backend).
+
+    Traces: [bold]gateway[/] (records unmodified agents' model calls), [bold]traces[/].
+
+    Training: [bold]train-demo[/] (GRPO on this CPU, end to end).
+    """
 
 
 # --- serve ----------------------------------------------------------------------------

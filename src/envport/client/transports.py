@@ -14,13 +14,15 @@ Three ship with envport:
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import httpx
 import orjson
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
-from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from envport.errors import (
     ConnectionLostError,
@@ -94,15 +96,31 @@ class WebSocketTransport:
         self._ws: ClientConnection | None = None
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
+        self._unanswered = 0  # plain protocol: replies still owed to abandoned requests
+        self._resuming = False  # a resume was started and has not finished
 
     async def open(self) -> None:
         await self._connect()
-        reply = await self._exchange({"type": "hello", "id": next(self._ids), "data": {}})
+        try:
+            reply = await self._exchange({"type": "hello", "id": next(self._ids), "data": {}})
+        except BaseException as exc:
+            # Interrupted or failed before a session existed: forget this connection so
+            # the next request opens a fresh one instead of speaking on a half-open one.
+            self._abort()
+            if isinstance(exc, ConnectionClosed | TimeoutError):
+                raise ConnectionLostError(
+                    f"{self.url} accepted the WebSocket but did not answer hello: "
+                    f"{exc or type(exc).__name__}"
+                ) from exc
+            raise
         if reply.get("type") == "hello":
             self.extended = True
             self.session_id = reply["data"]["session_id"]
             self.token = reply["data"]["token"]
         # An OpenEnv server answers UNKNOWN_TYPE and keeps the connection: plain mode.
+
+    def _where(self) -> str:
+        return f"{self.url} on {self.unix_path}" if self.unix_path else self.url
 
     async def _connect(self) -> None:
         try:
@@ -121,56 +139,124 @@ class WebSocketTransport:
                     max_size=self.max_frame_bytes,
                     compression=None,
                 )
-        except (OSError, InvalidStatus, TimeoutError) as exc:
-            where = f"{self.url} on {self.unix_path}" if self.unix_path else self.url
-            raise ConnectionLostError(f"Cannot connect to {where}: {exc}") from exc
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            raise ConnectionLostError(
+                f"Cannot connect to {self._where()}: the server answered HTTP {status} "
+                "instead of accepting the WebSocket (is this an environment server?)"
+            ) from exc
+        except InvalidHandshake as exc:
+            # InvalidMessage (EOF or not HTTP during the handshake), bad upgrade headers.
+            raise ConnectionLostError(
+                f"Cannot connect to {self._where()}: WebSocket handshake failed "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        except TimeoutError as exc:
+            raise ConnectionLostError(
+                f"Cannot connect to {self._where()}: no WebSocket handshake within "
+                f"{self.connect_timeout_s:g} s"
+            ) from exc
+        except (OSError, InvalidURI) as exc:
+            raise ConnectionLostError(f"Cannot connect to {self._where()}: {exc}") from exc
+
+    def _abort(self) -> None:
+        """Drop the socket at once (no closing handshake), forgetting the connection."""
+        if self._ws is not None:
+            self._ws.transport.abort()
+            self._ws = None
 
     async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
-        """Send one frame and read until its reply (stale replies are dropped)."""
+        """Send one frame and read until its reply.
+
+        Replies that belong to earlier requests (which timed out or were cancelled on our
+        side) are never taken for this one: with envport's extensions they carry another
+        id; in OpenEnv's plain protocol, which has no ids, they come first, in order, and
+        ``_unanswered`` counts how many to skip.
+        """
         assert self._ws is not None
-        await self._ws.send(orjson.dumps(frame).decode())
         want = frame.get("id")
-        while True:
-            raw = await asyncio.wait_for(self._ws.recv(), self.timeout_s)
-            reply: dict[str, Any] = orjson.loads(raw)
-            if not self.extended or want is None or reply.get("id") in (want, None):
-                return reply
-            # A reply to an earlier request that timed out on our side: never ours.
+        try:
+            await self._ws.send(orjson.dumps(frame).decode())
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
+            # cancellation that lands just as the reply arrives, and the caller then
+            # keeps reading (or waits timeout_s for a reply that never comes).
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    reply: dict[str, Any] = orjson.loads(await self._ws.recv())
+                    if not self.extended:
+                        if self._unanswered:
+                            self._unanswered -= 1
+                            continue
+                        return reply
+                    if want is None or reply.get("id") in (want, None):
+                        return reply
+        except (asyncio.CancelledError, TimeoutError):
+            if not self.extended:
+                self._unanswered += 1
+            raise
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
-            if self._ws is None:
+            if self._resuming:
+                await self._resume()  # a previous resume was interrupted or failed
+            elif self._ws is None:
                 await self.open()
             if self.extended:
                 frame = {**frame, "id": next(self._ids)}
             try:
-                return await self._exchange(frame)
-            except ConnectionClosed as exc:
-                if not (self.extended and self.resume and self.token):
-                    raise ConnectionLostError(f"Connection to {self.url} lost: {exc}") from exc
-                await self._resume()
-                return await self._exchange(frame)  # same id: answered exactly once
+                return await self._exchange_resuming(frame)
             except TimeoutError:
                 raise RemoteError(
                     f"No reply within {self.timeout_s:g} s", ErrorCode.TIMEOUT.value
                 ) from None
 
+    async def _exchange_resuming(self, frame: dict[str, Any]) -> dict[str, Any]:
+        drops = 0
+        while True:
+            try:
+                return await self._exchange(frame)
+            except ConnectionClosed as exc:
+                if not (self.extended and self.resume and self.token):
+                    raise ConnectionLostError(f"Connection to {self._where()} lost: {exc}") from exc
+                if drops >= self.resume_attempts:
+                    raise ConnectionLostError(
+                        f"Connection to {self._where()} lost {drops + 1} times "
+                        f"during one request: {exc}"
+                    ) from exc
+                drops += 1
+                await self._resume()
+                # Resent with the same id: the server answers it exactly once.
+
     async def _resume(self) -> None:
+        """Reconnect and reattach to the session; if interrupted, the next request retries."""
+        self._resuming = True
         delay = 0.05
         last: Exception | None = None
         for _ in range(self.resume_attempts):
             try:
                 await self._connect()
-                reply = await self._exchange(
-                    {"type": "hello", "id": next(self._ids), "data": {"resume": self.token}}
-                )
-                raise_for_error(reply)
-                return
-            except (ConnectionLostError, ConnectionClosed, OSError) as exc:
+            except ConnectionLostError as exc:
                 last = exc
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-        raise ConnectionLostError(f"Could not resume session on {self.url}: {last}")
+                continue
+            try:
+                reply = await self._exchange(
+                    {"type": "hello", "id": next(self._ids), "data": {"resume": self.token}}
+                )
+            except (ConnectionClosed, OSError, TimeoutError) as exc:
+                self._abort()
+                last = exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            except BaseException:
+                self._abort()  # cancelled mid-hello: this connection's state is unknown
+                raise
+            raise_for_error(reply)
+            self._resuming = False
+            return
+        raise ConnectionLostError(f"Could not resume session on {self._where()}: {last}")
 
     async def drop_connection(self) -> None:
         """Close the socket without closing the session (for tests and failover)."""
@@ -182,7 +268,8 @@ class WebSocketTransport:
             return
         try:
             await self._ws.send(orjson.dumps({"type": "close"}).decode())
-            await asyncio.wait_for(self._ws.recv(), 2.0)
+            async with asyncio.timeout(2.0):
+                await self._ws.recv()
         except (ConnectionClosed, TimeoutError, OSError):
             pass
         finally:
@@ -262,11 +349,21 @@ class HTTPTransport:
 class InProcessTransport:
     """The server's own frame handling, in this process: no sockets, same semantics."""
 
-    def __init__(self, env: str | EnvFactory, *, call_timeout_s: float | None = 30.0) -> None:
-        from envport.registry import resolve
+    def __init__(
+        self,
+        env: str | EnvFactory,
+        *,
+        call_timeout_s: float | None = 30.0,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``options`` are keyword arguments for the environment (over the registry's)."""
+        from envport.registry import resolve, spec
         from envport.server.sessions import ServerConfig, SessionManager
 
         factory, _ = resolve(env)
+        if options:
+            build = spec(env).make if isinstance(env, str) else env
+            factory = functools.partial(build, **options)
         self._manager = SessionManager(factory, ServerConfig(call_timeout_s=call_timeout_s))
         self._conn: Any = None
 

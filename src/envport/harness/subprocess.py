@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -46,7 +47,7 @@ import signal
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -57,6 +58,8 @@ from envport.trace import ErrorKind, Trace, TraceError
 
 __all__ = [
     "DEFAULT_ENV_PASSTHROUGH",
+    "ControllerHarness",
+    "EndpointFor",
     "HarnessOutcome",
     "HarnessResult",
     "ModelEndpoint",
@@ -270,6 +273,7 @@ class SubprocessHarness:
         *,
         workdir: Path | str | None = None,
         timeout_s: float | None = None,
+        on_output: Callable[[], None] | None = None,
     ) -> HarnessResult:
         """Run the agent once on ``task`` and wait for it (at most the deadline).
 
@@ -277,6 +281,7 @@ class SubprocessHarness:
         it, kept afterwards); without it a temporary directory is made and removed after
         the run unless ``keep_workdir``. ``endpoint`` ``None`` runs the agent with no
         model endpoint at all (for agents that need none, and for tests).
+        ``on_output`` is called each time the agent completes a line of output.
         """
         owned = workdir is None
         remove_workdir = owned and not self.keep_workdir
@@ -304,6 +309,7 @@ class SubprocessHarness:
                 timeout_s=deadline,
                 grace_s=self.kill_grace_s,
                 limit=self.output_limit,
+                on_line=on_output,
             )
             duration = time.perf_counter() - started
             outcome, outcome_error = None, None
@@ -340,6 +346,7 @@ class SubprocessHarness:
         *,
         workdir: Path | str | None = None,
         timeout_s: float | None = None,
+        on_output: Callable[[], None] | None = None,
     ) -> HarnessResult:
         """Run the agent and record the run on ``trace``.
 
@@ -353,7 +360,9 @@ class SubprocessHarness:
         trace.harness = self.name
         if trace.started_at is None:
             trace.started_at = datetime.now(UTC)
-        result = await self.run(task, endpoint, workdir=workdir, timeout_s=timeout_s)
+        result = await self.run(
+            task, endpoint, workdir=workdir, timeout_s=timeout_s, on_output=on_output
+        )
         trace.stop_reason = result.stop_reason
         trace.timings["agent"] = result.duration_s
         trace.metadata["harness"] = {
@@ -378,6 +387,12 @@ class SubprocessHarness:
             trace.errors.append(error)
         return result
 
+    def for_controller(
+        self, endpoint: ModelEndpoint | EndpointFor | None = None
+    ) -> ControllerHarness:
+        """This harness as a rollout controller's harness (see :class:`ControllerHarness`)."""
+        return ControllerHarness(self, endpoint)
+
     # --- helpers ----------------------------------------------------------------------------
 
     def _environment(
@@ -394,6 +409,50 @@ class SubprocessHarness:
             env["ENVPORT_MCP_CONFIG"] = values["mcp_config"]
         env.update({k: _fill(v, values) for k, v in self.env.items()})
         return env
+
+
+#: The endpoint of one rollout, made when it starts: ``(task, trace) -> endpoint``
+#: (e.g. a gateway grant for ``trace.rollout_id``); ``None`` for an agent without one.
+EndpointFor = Callable[[Task, Trace], Awaitable[ModelEndpoint | None]]
+
+
+class ControllerHarness:
+    """A :class:`SubprocessHarness` as the :class:`~envport.rollout.Controller`'s harness.
+
+    ``run(task, env, trace)`` starts the CLI agent exactly as
+    :meth:`SubprocessHarness.run_into` does (endpoint variables, workdir, deadline,
+    process-group kill) and records the run on the trace. Every line the agent prints,
+    on stdout or stderr, is a :func:`~envport.rollout.heartbeat`, so the controller's
+    hang detection covers CLI agents: one that goes silent for ``hang_timeout_s`` is
+    cut (a ``harness`` failure) and, like on any cancellation, its whole process group
+    is killed. A timeout, crash or unreadable outcome of the agent is a ``harness``
+    error on the trace, which fails the rollout unscored.
+
+    The agent works in its own working directory; ``env`` (the leased environment
+    session) is not handed to the process; rubrics still score through it.
+    """
+
+    def __init__(
+        self, harness: SubprocessHarness, endpoint: ModelEndpoint | EndpointFor | None = None
+    ) -> None:
+        self.harness = harness
+        self.endpoint = endpoint
+        self.name = harness.name
+
+    async def run(self, task: Task, env: Any, trace: Trace) -> None:
+        from envport.rollout import heartbeat  # the controller imports this module
+
+        endpoint = self.endpoint
+        if endpoint is not None and not isinstance(endpoint, ModelEndpoint):
+            endpoint = await endpoint(task, trace)
+        # Output arrives in event-loop callbacks, outside this task's context: beat in
+        # a copy of it, which holds the controller's heartbeat for this attempt.
+        context = contextvars.copy_context()
+
+        def beat() -> None:
+            context.run(heartbeat)
+
+        await self.harness.run_into(trace, task, endpoint, on_output=beat)
 
 
 def _make_dirs(workdir: Path | str | None) -> tuple[Path, Path]:
@@ -507,7 +566,8 @@ class _Capture(asyncio.SubprocessProtocol):
     """Keeps bounded output tails and signals the process's exit (not its pipes' EOF:
     a grandchild holding a pipe open must not delay the exit)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_line: Callable[[], None] | None = None) -> None:
+        self.on_line = on_line
         self.stdout = _Tail(limit)
         self.stderr = _Tail(limit)
         self.exited = asyncio.Event()
@@ -517,6 +577,8 @@ class _Capture(asyncio.SubprocessProtocol):
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
         chunk = data.encode() if isinstance(data, str) else data
         (self.stdout if fd == 1 else self.stderr).feed(chunk)
+        if self.on_line is not None and (b"\n" in chunk or b"\r" in chunk):
+            self.on_line()
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         self._open.discard(fd)
@@ -544,11 +606,16 @@ async def _run_process(
     timeout_s: float,
     grace_s: float,
     limit: int,
+    on_line: Callable[[], None] | None = None,
 ) -> _Finished:
-    """Run ``argv`` in a new session; kill its process group on deadline or afterwards."""
+    """Run ``argv`` in a new session; kill its process group on deadline or afterwards.
+
+    ``on_line`` is called from the event loop whenever output completes a line (on
+    stdout or stderr): the controller's heartbeat for CLI agents.
+    """
     loop = asyncio.get_running_loop()
     transport, capture = await loop.subprocess_exec(
-        lambda: _Capture(limit),
+        lambda: _Capture(limit, on_line),
         *argv,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -559,6 +626,7 @@ async def _run_process(
     )
     pgid = transport.get_pid()  # a new session: its leader's pid is the group id
     timed_out = False
+    ended = False
     try:
         if stdin is not None:
             pipe = transport.get_pipe_transport(0)
@@ -574,10 +642,13 @@ async def _run_process(
         # A process that left the group may still hold a pipe: then keep what we have.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(capture.pipes_closed.wait(), max(grace_s, 1.0))
+        ended = True
     finally:
-        if not capture.exited.is_set():  # cancelled: nothing may outlive the run
+        if not ended:  # cancelled: nothing may outlive the run, stragglers included
             _signal_group(pgid, signal.SIGKILL)
-            await asyncio.shield(capture.exited.wait())
+            if not capture.exited.is_set():
+                await asyncio.shield(capture.exited.wait())
+            await asyncio.shield(_group_gone(pgid))
         transport.close()
     return _Finished(transport.get_returncode(), timed_out, capture.stdout, capture.stderr)
 
@@ -626,6 +697,17 @@ async def _end_group(pgid: int, capture: _Capture, grace_s: float) -> None:
         await asyncio.sleep(0.02)
     _signal_group(pgid, signal.SIGKILL)
     await capture.exited.wait()
+    await _group_gone(pgid)
+
+
+async def _group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Wait until a killed group has no live process left (SIGKILL takes effect when the
+    process is next scheduled, which on a busy machine is not at once)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _group_alive(pgid):
+            return
+        await asyncio.sleep(0.02)
 
 
 # --- mini-swe-agent -----------------------------------------------------------------------------
