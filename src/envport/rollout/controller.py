@@ -837,16 +837,29 @@ class Controller:
                 "finished_at": datetime.now(UTC),
             }
         )
-        try:
-            await self._call(
-                self._db.advance_rollout,
-                f.rollout_id,
-                expect=f.state.value,
-                attempt=attempt,
-                state=RolloutState.PENDING.value,
-            )
-        except Exception:  # the next controller requeues it anyway
-            return
+        # The stored state may be a step ahead of ``f.state`` (a transition whose await
+        # was the one cancelled, after its write landed): on a mismatch, retry once with
+        # the stored state when that state is still in flight.
+        expect = f.state.value
+        for _ in range(2):
+            try:
+                await self._call(
+                    self._db.advance_rollout,
+                    f.rollout_id,
+                    expect=expect,
+                    attempt=attempt,
+                    state=RolloutState.PENDING.value,
+                )
+                return
+            except Exception:
+                try:
+                    record = await self._call(self._db.get_rollout, f.rollout_id)
+                except Exception:  # the next controller requeues it anyway
+                    return
+                stored = RolloutState(record.state)
+                if not stored.in_flight or stored.value == expect:
+                    return
+                expect = stored.value
 
     async def _attempt(self, f: _Flight) -> ErrorKind | None:
         """One try; returns the kind of the failure that ends it, or ``None`` if it passed."""
