@@ -51,8 +51,8 @@ def mean_span(result: PipelineResult, lane: str, kind: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=2, help="GRPO passes per batch.")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("runs/bench-pipeline"))

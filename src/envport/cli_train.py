@@ -243,9 +243,9 @@ def results_json(results: dict[str, Any], warm: Any) -> dict[str, Any]:
 
 
 def train_demo_command(
-    iterations: Annotated[int, typer.Option(help="GRPO iterations of the main run.")] = 20,
-    prompts: Annotated[int, typer.Option(help="Tasks per iteration.")] = 8,
-    group_size: Annotated[int, typer.Option(help="Rollouts per task (the GRPO group).")] = 8,
+    iterations: Annotated[int, typer.Option(help="GRPO iterations of the main run.")] = 30,
+    prompts: Annotated[int, typer.Option(help="Tasks per iteration.")] = 32,
+    group_size: Annotated[int, typer.Option(help="Rollouts per task (the GRPO group).")] = 4,
     compare_iterations: Annotated[
         int, typer.Option(help="Iterations of the comparison run without overlap (0: skip).")
     ] = 4,

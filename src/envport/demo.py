@@ -139,8 +139,8 @@ def part_three() -> None:
     console.print(Rule("3 · real RL on this CPU: GRPO on a tiny transformer (envport train-demo)"))
     train_demo_command(
         iterations=10,
-        prompts=8,
-        group_size=8,
+        prompts=32,
+        group_size=4,
         compare_iterations=3,
         max_staleness=1,
         warmstart_steps=400,
@@ -148,7 +148,7 @@ def part_three() -> None:
         out_dir=Path("runs/train-demo"),
     )
     console.print(
-        "The full run: [bold]envport train-demo[/] (20 iterations; see docs/training.md)."
+        "The full run: [bold]envport train-demo[/] (30 iterations; see docs/training.md)."
     )
 
 

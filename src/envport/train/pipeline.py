@@ -33,7 +33,7 @@ question is ``a + b`` with one-digit operands: 81 questions). A random tiny tran
 never answers them, so RL alone would see no reward for a long time. The policy first
 gets a short supervised **warm start** (:func:`warm_start`) on locally generated
 examples whose labels are deliberately noisy (right with probability ``p_correct``,
-else off by 1..3), which teaches the answer format and a rough answer; RL then has to
+else off by 1 or 2), which teaches the answer format and a rough answer; RL then has to
 sharpen it. The demo reports the expected reward over all 81 questions before and after
 RL, so the gain is RL's.
 """
@@ -430,9 +430,9 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    iterations: int = Field(20, ge=1)
-    prompts: int = Field(8, ge=1, description="Tasks per iteration.")
-    group_size: int = Field(8, ge=2, description="Rollouts per task (the GRPO group).")
+    iterations: int = Field(30, ge=1)
+    prompts: int = Field(32, ge=1, description="Tasks per iteration.")
+    group_size: int = Field(4, ge=2, description="Rollouts per task (the GRPO group).")
     overlap: bool = Field(True, description="Collect k+1 while updating on k.")
     max_staleness: int = Field(1, ge=0, description="Drop rows sampled > K versions ago.")
     temperature: float = Field(1.0, gt=0)
