@@ -7,6 +7,8 @@ Run from the repository root::
     .venv/bin/python bench/gateway_overhead.py --quick     # smoke run (small N)
     .venv/bin/python bench/gateway_overhead.py --targets direct,floor-raw,envport --n 500
     .venv/bin/python bench/gateway_overhead.py --json out.json --markdown table.md
+    .venv/bin/python bench/gateway_overhead.py --modes stream --upstream-delay-ms 20 \
+        --targets direct,floor-raw,envport-base,envport --base-src OLD  # streams, A/B
 
 One invocation starts, each in its own process, bound to 127.0.0.1 on free ports:
 
@@ -26,6 +28,9 @@ One invocation starts, each in its own process, bound to 127.0.0.1 on free ports
   --store DB`` (orchestrator token from ``ENVPORT_GATEWAY_TOKEN``). Calls go to
   ``{base_url}/chat/completions`` with the rollout's token, one rollout per client
   worker per round (finished, and so stored, between rounds, outside the timing).
+* ``envport-base``: the same, with another copy of the ``envport`` package first on
+  ``PYTHONPATH`` (``--base-src DIR``, DIR holding ``envport/``): the code before a change,
+  measured interleaved with the code after it in one run.
 * ``agl``: agent-lightning's ``LLMProxy`` (LiteLLM's proxy underneath), from PyPI
   ``agentlightning`` installed on first use into ``bench/.venvs/agl`` (see
   ``--agl-python``). Started by ``_agl`` mode of this file run with that venv's Python;
@@ -75,6 +80,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 AGL_VENV = ROOT / "bench" / ".venvs" / "agl"
 HOST = "127.0.0.1"
+ENVPORT_AGL = ("envport", "envport-base", "agl")  # targets compared with the aiohttp floor
 MODEL = "bench-model"
 AGL_KEY = "sk-" + "0123456789abcdef" * 4  # LiteLLM master key for the agl proxy
 
@@ -626,7 +632,7 @@ class Bench:
             }
         ).encode()
         self.stream_body = self.body[:-1] + b',"stream":true}'
-        self.envport_live: list[str] = []
+        self.envport_live: dict[str, list[str]] = {}  # per envport target
         self.agl_ids: list[list[str]] = []
         self.round_no = 0
 
@@ -635,15 +641,15 @@ class Bench:
         self.round_no += 1
         if t.name in ("direct", "floor", "floor-raw"):
             return [("/v1/chat/completions", "sk-bench")] * c
-        if t.name == "envport":
+        if t.name in ("envport", "envport-base"):
             base = f"http://{HOST}:{t.port}"
-            for rid in self.envport_live:  # finish (and store) the last round's rollouts
+            for rid in self.envport_live.get(t.name, []):  # finish (store) the last round's
                 _http_json("POST", f"{base}/admin/rollouts/{rid}/finish", self.orch, {})
-            self.envport_live = []
+            live = self.envport_live[t.name] = []
             out = []
             for _ in range(c):
                 g = _http_json("POST", f"{base}/admin/rollouts", self.orch, {})
-                self.envport_live.append(g["rollout_id"])
+                live.append(g["rollout_id"])
                 path = g["base_url"].split(str(t.port), 1)[1] + "/chat/completions"
                 out.append((path, g["token"]))
             return out
@@ -832,7 +838,7 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
         mode, c = key
         f = next((r for r in rows if r["target"] == "floor" and (r["mode"], r["c"]) == key), None)
         for r in rows:
-            if f is not None and (r["mode"], r["c"]) == key and r["target"] in ("envport", "agl"):
+            if f is not None and (r["mode"], r["c"]) == key and r["target"] in ENVPORT_AGL:
                 r["over_floor_p50_ms"] = r["p50_ms"] - f["p50_ms"]
     # agl-added / envport-added
     for key in keys:
@@ -961,6 +967,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--targets", default="direct,floor-raw,floor,envport,agl")
     p.add_argument(
+        "--base-src",
+        default=None,
+        help="for target envport-base: a folder holding another copy of the envport "
+        "package (e.g. the code before a change), run as a second gateway",
+    )
+    p.add_argument(
+        "--modes", default="json,stream", help="which calls to measure: json, stream or both"
+    )
+    p.add_argument(
         "--upstream-delay-ms",
         default="0",
         help="model generation delay(s), comma-separated: one full run per value",
@@ -977,8 +992,15 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.n, args.stream_n, args.warmup = 200, 50, 20
+    modes = {x for x in str(args.modes).split(",") if x}
+    if not modes or modes - {"json", "stream"}:
+        raise SystemExit(f"--modes: json and/or stream, not {args.modes!r}")
     args.concurrency = [int(x) for x in str(args.concurrency).split(",") if x]
     args.stream_concurrency = [int(x) for x in str(args.stream_concurrency).split(",") if x]
+    if "json" not in modes:
+        args.concurrency = []
+    if "stream" not in modes:
+        args.stream_concurrency = []
     names = [x for x in args.targets.split(",") if x]
 
     delays = [float(x) for x in str(args.upstream_delay_ms).split(",") if x]
@@ -1037,7 +1059,9 @@ def run_once(
     py = sys.executable
     me = str(Path(__file__).resolve())
     orch = "orch-bench-token"
-    ports = {n: free_port() for n in ("upstream", "envport", "agl", "floor", "floor-raw")}
+    ports = {
+        n: free_port() for n in ("upstream", "envport", "envport-base", "agl", "floor", "floor-raw")
+    }
     upstream_url = f"http://{HOST}:{ports['upstream']}/v1"
     agl_ids: list[list[str]] = []
     with contextlib.ExitStack() as stack:
@@ -1065,8 +1089,12 @@ def run_once(
         for name in names:
             if name == "direct":
                 targets.append(Target("direct", ports["upstream"], None))
-            elif name == "envport":
+            elif name in ("envport", "envport-base"):
                 env = {**os.environ, "ENVPORT_GATEWAY_TOKEN": orch}
+                if name == "envport-base":  # another copy of the package, to compare with
+                    if not args.base_src:
+                        raise SystemExit("target envport-base needs --base-src DIR")
+                    env["PYTHONPATH"] = str(Path(args.base_src).resolve())
                 proc = stack.enter_context(
                     started(
                         [
@@ -1076,17 +1104,17 @@ def run_once(
                             "--upstream",
                             upstream_url,
                             "--port",
-                            str(ports["envport"]),
+                            str(ports[name]),
                             "--store",
-                            str(logs / "traces.db"),
+                            str(logs / f"traces-{name}.db"),
                         ],
-                        logs / "envport.log",
+                        logs / f"{name}.log",
                         env=env,
                         cpus=server_cpus,
                     )
                 )
-                wait_http(f"http://{HOST}:{ports['envport']}/health", proc, "envport gateway")
-                targets.append(Target("envport", ports["envport"], proc.pid))
+                wait_http(f"http://{HOST}:{ports[name]}/health", proc, f"{name} gateway")
+                targets.append(Target(name, ports[name], proc.pid))
             elif name in ("floor", "floor-raw"):
                 client = "raw" if name == "floor-raw" else "aiohttp"
                 cmd = [py, me, "_floor", "--port", str(ports[name]), "--client", client]

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -1050,3 +1051,64 @@ async def test_a_restarted_gateway_takes_back_its_live_rollouts(
         [trace] = store.query(task_id="t-restart")
     assert len(trace.model_calls) == 1
     assert any("restarted" in e.message for e in trace.errors)
+
+
+def _one_piece_upstream(tail: bytes) -> Starlette:
+    """An upstream that sends a whole stream (two content events, then ``tail``) in one
+    write, so the gateway gets several events from one read."""
+
+    def event(delta: dict[str, Any], ids: list[int]) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": None, "token_ids": ids}
+        chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "one"}
+        return b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n"
+
+    async def chat(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield (
+                b": keep-alive\n\n"
+                + event({"content": "Hel"}, [1, 2])
+                + event({"content": "lo"}, [3])
+                + tail
+            )
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def test_events_that_arrive_together_are_all_relayed_and_recorded(serve: Any) -> None:
+    with serve_in_thread(_one_piece_upstream(b"data: [DONE]\n\n")) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            seen = [c.choices[0].delta.content async for c in stream]
+        assert seen == ["Hel", "lo"]
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.error is None
+    assert call.ttft_s is not None
+    assert call.choices[0].completion_token_ids == [1, 2, 3]
+    assert call.response is not None
+    assert call.response["choices"][0]["message"]["content"] == "Hello"
+
+
+async def test_a_bad_event_after_good_ones_in_one_read_ends_the_stream_after_them(
+    serve: Any,
+) -> None:
+    with serve_in_thread(_one_piece_upstream(b"data: {not json\n\ndata: [DONE]\n\n")) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        seen: list[Any] = []
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            with pytest.raises(openai.APIError) as info:
+                await collect(stream, seen)
+        assert [c.choices[0].delta.content for c in seen] == ["Hel", "lo"]
+        assert "not JSON" in info.value.message
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "not JSON" in call.error.message
+    assert call.choices[0].completion_token_ids == [1, 2, 3]  # what came before is kept

@@ -425,3 +425,151 @@ async def test_a_drain_that_takes_too_long_closes_the_connection() -> None:
         with pytest.raises(ReadError, match="closed before its body was read"):
             await response.read()
         await pool.aclose()
+
+
+async def test_batched_chunks_come_as_one_piece_per_read_and_the_rest_stays_readable() -> None:
+    first = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n2\r\nbc\r\n3\r\nde"
+    go_on = asyncio.Event()
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(first)  # two whole chunks and part of a third
+        await go_on.wait()
+        writer.write(b"f\r\n1\r\ng\r\n0\r\nx-trail")  # the end, trailer split across reads
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"er: t\r\n\r\n")
+        await read_request(reader)
+        writer.write(json_answer(b"{}"))
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        async for piece in response.chunks(batch=True):
+            assert piece == b"abc"  # the complete chunks of the read, nothing of the third
+            break  # stop early; what was read past this piece is kept
+        go_on.set()
+        assert [p async for p in response.chunks(batch=True)] == [b"defg"]
+        assert response.at_eof()
+        assert pool.idle_connections() == 1
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()
+
+
+async def test_unbatched_chunks_read_together_still_come_one_piece_each() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n2\r\nbc\r\n0\r\n\r\n"
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        assert [p async for p in response.chunks()] == [b"a", b"bc"]
+        assert pool.idle_connections() == 1
+        await pool.aclose()
+
+
+async def test_an_endless_chunk_size_line_is_an_error() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 70000)
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        with pytest.raises(RemoteProtocolError, match="chunk header line is too long"):
+            await response.read()
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("batch", [True, False])
+async def test_a_chunked_body_that_stalls_is_a_read_timeout(batch: bool) -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"1\r\nb\r\n")  # keeps coming, each read well within the timeout
+        await reader.read()  # then nothing more
+
+    async with serve(handler) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=0.5))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        pieces: list[bytes] = []
+
+        async def collect() -> None:
+            async for piece in response.chunks(batch=batch):
+                pieces.append(piece)
+
+        with pytest.raises(ReadTimeout, match="read timeout"):
+            await collect()
+        assert pieces == [b"a", b"b"]
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+async def test_time_between_reads_does_not_count_against_the_read_timeout() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in (b"a", b"b", b"c"):
+            writer.write(b"1\r\n" + part + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=0.4))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        pieces = []
+        async for piece in response.chunks(batch=True):
+            pieces.append(piece)
+            await asyncio.sleep(0.6)  # a slow reader: longer than the read timeout per piece
+        assert b"".join(pieces) == b"abc"
+        assert response.at_eof()
+        await pool.aclose()
+
+
+async def test_cancelling_a_reader_mid_body_is_a_cancellation_not_a_timeout() -> None:
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+        await reader.read()
+
+    async with serve(handler) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=0.2))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        got = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in response.chunks(batch=True):
+                got.set()
+
+        task = asyncio.ensure_future(consume())
+        await got.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)  # past the read timeout: no stray timer fires
+        assert pool.idle_connections() == 0
+        await pool.aclose()

@@ -809,30 +809,44 @@ class _Relay:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
-        async for _, chunk in self._events():
-            if chunk is not None:
+        async for _, chunks in self._events():
+            for chunk in chunks:
                 yield chunk
 
-    async def _events(self) -> AsyncIterator[tuple[bytes, dict[str, Any] | None]]:
-        """Each upstream event as (its bytes, its JSON data or None); stops after [DONE]."""
+    async def _events(self) -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
+        """The complete events of each upstream read, as (their bytes, their JSON data);
+        stops after [DONE]. Events before a bad one are passed on before it fails."""
         buf = b""
         url = self.opened.upstream.base_url
         try:
             async with contextlib.aclosing(self.opened.chunks()) as pieces:
                 async for piece in pieces:
                     buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
-                    while (end := buf.find(b"\n\n")) >= 0:
-                        raw, buf = buf[: end + 2], buf[end + 2 :]
-                        data = _sse_data(raw)
-                        if data is None:
-                            yield raw, None
-                            continue
-                        if data.strip() == b"[DONE]":
-                            self._complete = True
-                            self._record()
-                            yield raw, None
-                            return
-                        yield raw, self._chunk(data)
+                    last = buf.rfind(b"\n\n")
+                    if last < 0:
+                        continue
+                    events, buf = buf[: last + 2], buf[last + 2 :]
+                    chunks: list[dict[str, Any]] = []
+                    start = good = 0
+                    try:
+                        while start < len(events):
+                            good = start  # the events before this one are fine
+                            end = events.find(b"\n\n", start) + 2
+                            data = _sse_data(events[start:end])
+                            start = end
+                            if data is None:
+                                continue
+                            if data.strip() == b"[DONE]":
+                                self._complete = True
+                                self._record()
+                                yield events[:end], chunks
+                                return
+                            chunks.append(self._chunk(data))
+                    except _StreamBroken:
+                        if good:  # pass on the events before the bad one
+                            yield events[:good], chunks
+                        raise
+                    yield events, chunks
         except TimeoutError as exc:
             raise _StreamBroken(
                 UpstreamTimeoutError(f"Upstream {url} stalled mid-stream: {exc!r}")

@@ -80,6 +80,68 @@ _CUT = "the server closed the connection before the answer was complete"
 # --- connections ----------------------------------------------------------------------------
 
 
+class _ReadDeadline:
+    """A read timeout for a whole body that sets no timer per read.
+
+    Each read notes its deadline (:meth:`arm`) and clears it when it returns
+    (:meth:`disarm`); one timer, moved on only when it fires early, cancels the reading
+    task when a read has waited past its deadline, and :meth:`expired` turns that
+    cancellation into :class:`TimeoutError`. Time spent between reads (the reader
+    passing a piece on) does not count, as with a timeout around each read.
+    """
+
+    __slots__ = ("_cancelling", "_deadline", "_fired", "_handle", "_loop", "_task", "timeout")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout  # None: no timeout
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task[Any] | None = None
+        self._deadline: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._fired = False
+        self._cancelling = 0
+
+    def arm(self) -> None:
+        """A read starts now."""
+        if self.timeout is None:
+            return
+        self._task = task = asyncio.current_task()
+        assert task is not None
+        self._cancelling = task.cancelling()
+        self._deadline = deadline = self._loop.time() + self.timeout
+        if self._handle is None:
+            self._handle = self._loop.call_at(deadline, self._check)
+
+    def disarm(self) -> None:
+        """The read returned."""
+        self._deadline = None
+
+    def expired(self) -> bool:
+        """After a read was cancelled: whether this deadline did it (then the
+        cancellation is taken back, and the caller raises TimeoutError)."""
+        if not self._fired:
+            return False
+        self._fired = False
+        assert self._task is not None
+        return self._task.uncancel() <= self._cancelling
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _check(self) -> None:
+        self._handle = None
+        deadline = self._deadline
+        if deadline is None or self._task is None:
+            return  # not reading; the next read sets the timer again
+        if self._loop.time() < deadline:
+            self._handle = self._loop.call_at(deadline, self._check)
+            return
+        self._fired = True
+        self._task.cancel()
+
+
 class _Connection:
     __slots__ = ("key", "reader", "writer")
 
@@ -296,6 +358,8 @@ class Response:
         self._length: int | None = None
         self._left = 0  # body bytes still to read, when framed by content-length
         self._chunked = False
+        self._pending = b""  # chunked: bytes read past the last piece passed on
+        self._trailers = False  # chunked: the last chunk was read
         if status in _NO_BODY or status < 200:
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
@@ -324,18 +388,19 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole body (decoded)."""
-        parts = [piece async for piece in self.chunks()]
+        parts = [piece async for piece in self.chunks(batch=True)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The body, decoded, piece by piece as it arrives."""
+    async def chunks(self, *, batch: bool = False) -> AsyncGenerator[bytes, None]:
+        """The body, decoded, piece by piece as it arrives. A chunked body comes one
+        piece per chunk, or with ``batch`` all the chunks of one read as one piece."""
         if self._eof:
             return
         if self._conn is None:
             raise ReadError("the response was closed before its body was read")
         decoder = self._decoder
         try:
-            async with contextlib.aclosing(self._raw()) as raw:
+            async with contextlib.aclosing(self._raw(batch)) as raw:
                 async for piece in raw:
                     if decoder is not None:
                         piece = decoder.decompress(piece)
@@ -353,17 +418,38 @@ class Response:
             raise
         self._finish()
 
-    async def _raw(self) -> AsyncGenerator[bytes, None]:
+    async def _raw(self, batch: bool) -> AsyncGenerator[bytes, None]:
         assert self._conn is not None
         reader = self._conn.reader
         timeout = self._pool.timeouts.read
+        deadline: _ReadDeadline | None = None
         try:
             if self._chunked:
+                # Every chunk already received goes out in one piece per read (one read,
+                # one timeout): a stream whose events arrive faster than they are relayed
+                # is passed on in fewer, larger pieces. What was read and not yet passed
+                # on is kept on the response, for a reader that stops and reads on later.
+                deadline = _ReadDeadline(timeout)
+                buf = self._pending
+                pos = 0  # start of the next chunk's size line in buf
+                trailers = self._trailers  # the last chunk was seen: skip to an empty line
                 while True:
-                    async with asyncio.timeout(timeout):
-                        line = await reader.readline()
-                        if not line.endswith(b"\n"):
-                            raise RemoteProtocolError(f"{_CUT} (in a chunk header)")
+                    out: list[bytes] = []
+                    while True:
+                        nl = buf.find(b"\n", pos)
+                        if nl < 0:
+                            if len(buf) - pos > _MAX_CHUNK_LINE:
+                                raise RemoteProtocolError("a chunk header line is too long")
+                            break
+                        if trailers:
+                            empty = not buf[pos:nl].strip()
+                            pos = nl + 1
+                            if empty:
+                                if out:
+                                    yield b"".join(out)
+                                return
+                            continue
+                        line = buf[pos:nl]
                         try:
                             size = int(line.split(b";", 1)[0].strip(), 16)
                         except ValueError:
@@ -371,11 +457,39 @@ class Response:
                                 f"malformed chunk size line {line[:50]!r}"
                             ) from None
                         if size == 0:
-                            while (await reader.readline()).strip():
-                                pass  # trailers
-                            return
-                        data = await reader.readexactly(size + 2)
-                    yield data[:-2]
+                            trailers = self._trailers = True
+                            pos = nl + 1
+                            continue
+                        end = nl + 1 + size
+                        if len(buf) < end + 2:
+                            break
+                        if batch:
+                            out.append(buf[nl + 1 : end])
+                            pos = end + 2
+                        else:  # one piece per chunk
+                            self._pending = buf[end + 2 :]
+                            yield buf[nl + 1 : end]
+                            buf, pos = self._pending, 0
+                    buf = self._pending = buf[pos:]
+                    pos = 0
+                    if out:
+                        yield out[0] if len(out) == 1 else b"".join(out)
+                        buf = self._pending
+                    deadline.arm()
+                    try:
+                        data = await reader.read(1 << 16)
+                    except asyncio.CancelledError:
+                        if deadline.expired():
+                            raise TimeoutError from None
+                        raise
+                    finally:
+                        deadline.disarm()
+                    if not data:
+                        if trailers:
+                            return  # the server closed after the last chunk, before the end
+                        where = "in a chunk" if b"\n" in buf else "in a chunk header"
+                        raise RemoteProtocolError(f"{_CUT} ({where})")
+                    buf = self._pending = buf + data if buf else data
             elif self._length is not None:
                 while self._left > 0:
                     async with asyncio.timeout(timeout):
@@ -401,6 +515,9 @@ class Response:
             raise RemoteProtocolError("a chunk header line is too long") from exc
         except OSError as exc:
             raise ReadError(f"reading the answer failed: {exc}") from exc
+        finally:
+            if deadline is not None:
+                deadline.close()
 
     def _finish(self) -> None:
         self._eof = True
@@ -418,7 +535,7 @@ class Response:
             return
         try:
             async with asyncio.timeout(timeout_s):
-                async for _ in self.chunks():
+                async for _ in self.chunks(batch=True):
                     pass
         except (HTTPError, TimeoutError):
             self.close()
@@ -434,6 +551,9 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+_MAX_CHUNK_LINE = 1 << 16  # a chunk size line (or trailer) longer than this is refused
 
 
 def _decoder(encoding: str) -> Any:

@@ -161,8 +161,8 @@ class Opened:
         return self.response.headers
 
     def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The streamed body, piece by piece as it arrives."""
-        return self.response.chunks()
+        """The streamed body as it arrives: all that one read brought, as one piece."""
+        return self.response.chunks(batch=True)
 
     async def finish(self, timeout_s: float = 1.0) -> None:
         """Read what is left of a stream after its last event (the end of the chunked
