@@ -170,8 +170,12 @@ async def test_deadline_while_starting_is_reported(kube: tuple[FakeKube, str]) -
     fake, url = kube
     async with KubernetesBackend(host=url, namespace="rl", port=PORT, active_deadline_s=1) as b:
         before = set(fake.jobs)
-        with pytest.raises(BackendError, match="failed: DeadlineExceeded"):
-            await b.start(EnvLaunch(env_id="echo-v1", start_timeout_s=30))
+        fake.probes_fail = True  # never ready: the Job's deadline ends the start
+        try:
+            with pytest.raises(BackendError, match="failed: DeadlineExceeded"):
+                await b.start(EnvLaunch(env_id="echo-v1", start_timeout_s=30))
+        finally:
+            fake.probes_fail = False
         assert set(fake.jobs) == before
 
 

@@ -157,6 +157,9 @@ class FakeKube:
         self._stopping = threading.Event()
         self._next_ip = 2
         self._rv = 1000
+        # For tests: readiness probes fail (a server that never answers), so a start
+        # meets its deadline however fast this machine starts the real process.
+        self.probes_fail = False
 
     # --- serving ------------------------------------------------------------------------
 
@@ -604,7 +607,7 @@ class FakeKube:
             container.last_probe = time.monotonic()
             try:
                 url = f"http://{status['podIP']}:{probe['port']}{probe.get('path', '/')}"
-                ok = httpx.get(url, timeout=0.5).status_code < 400
+                ok = not self.probes_fail and httpx.get(url, timeout=0.5).status_code < 400
             except httpx.HTTPError:
                 ok = False
             self._set_ready(pod, ok)

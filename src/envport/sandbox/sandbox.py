@@ -861,10 +861,13 @@ class Sandbox:
         for name in _MERGED_USR:
             if not os.path.islink(name) and os.path.isdir(name):
                 args += ["--ro-bind", name, name]
+        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * _MB)]
+        args += ["--perms", "1777", "--tmpfs", "/tmp"]
+        # After /tmp: a bind under /tmp (a venv in a CI checkout there) must land on the
+        # sandbox's tmpfs, not be hidden by it.
         for inside, host in cfg.ro_binds.items():
             args += ["--ro-bind", str(host), inside]
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * _MB)]
-        args += ["--perms", "1777", "--tmpfs", "/tmp", "--remount-ro", "/"]
+        args += ["--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--info-fd", str(info_fd), "--block-fd", str(block_fd)]
         return [*args, "bash", "--noprofile", "--norc"]
 
