@@ -829,7 +829,22 @@ class Controller:
         )
 
     async def _abandon(self, f: _Flight, reason: str) -> None:
-        """Best effort on cancellation: record the attempt abandoned, requeue the rollout."""
+        """Best effort on cancellation: record the attempt abandoned, requeue the rollout.
+
+        Runs while the rollout's task is being cancelled, and a task group may cancel it
+        again meanwhile: the write is shielded and awaited to the end (the caller
+        re-raises the cancellation), so the store never keeps an attempt "running".
+        """
+        write = asyncio.ensure_future(self._write_abandoned(f, reason))
+        while not write.done():
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                continue
+            except Exception:  # the next controller requeues it anyway
+                return
+
+    async def _write_abandoned(self, f: _Flight, reason: str) -> None:
         attempt = f.attempt.model_copy(
             update={
                 "state": AttemptState.ABANDONED.value,
