@@ -211,6 +211,12 @@ class _Resources:
                     proc.wait(timeout=2.0)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # unisolated: the shell's group
+            if proc.poll() is None:
+                # Still there: a start cancelled before bwrap reported its init (so no
+                # init to kill), bwrap waiting on its block fd. --die-with-parent takes
+                # the sandbox down with it.
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
             proc.wait()
             for pipe in (proc.stdin, proc.stdout, proc.stderr):
                 if pipe is not None:
