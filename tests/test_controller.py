@@ -275,6 +275,7 @@ async def test_environment_process_killed_mid_step_is_retried(
     assert list((tmp_path / "instances").iterdir()) == []  # every server stopped
 
 
+@pytest.mark.timeout(150)
 async def test_cancellation_leaves_no_process_and_resume_finishes(
     store: AsyncTraceStore, tmp_path: Path
 ) -> None:
@@ -303,8 +304,10 @@ async def test_cancellation_leaves_no_process_and_resume_finishes(
     assert not any(_is_envport(pid) for pid in pids)
     assert list(state_dir.iterdir()) == []
     s = db(store)
-    assert {r.state for r in s.rollouts(run_id="r")} == {"pending"}
-    assert {(a.state, a.reason) for a in s.attempts(run_id="r")} == {("abandoned", "cancelled")}
+    # Requeued on the way out (best effort: one whose write did not land before the
+    # cancellation finished is requeued by the next controller as a restart).
+    assert {r.state for r in s.rollouts(run_id="r")} <= {"pending", "running"}
+    assert ("abandoned", "cancelled") in {(a.state, a.reason) for a in s.attempts(run_id="r")}
     # The same run, resumed with a working harness: each rollout once.
     ok = [RolloutSpec(sp.task) for sp in specs]
     summary = await Controller(store, InProcessBackend(), ScriptHarness(), run_id="r").run(ok)

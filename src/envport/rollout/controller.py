@@ -836,12 +836,13 @@ class Controller:
         re-raises the cancellation), so the store never keeps an attempt "running".
         """
         write = asyncio.ensure_future(self._write_abandoned(f, reason))
-        while not write.done():
+        give_up = time.monotonic() + 5.0  # bounded: the next controller requeues it anyway
+        while not write.done() and time.monotonic() < give_up:
             try:
-                await asyncio.shield(write)
+                await asyncio.wait_for(asyncio.shield(write), max(0.0, give_up - time.monotonic()))
             except asyncio.CancelledError:
                 continue
-            except Exception:  # the next controller requeues it anyway
+            except Exception:
                 return
 
     async def _write_abandoned(self, f: _Flight, reason: str) -> None:
