@@ -21,9 +21,9 @@ def uvicorn_config(
 ) -> Any:
     """A ``uvicorn.Config`` tuned for many small WebSocket frames.
 
-    ``ENVPORT_WS_IMPL`` picks uvicorn's WebSocket implementation (``websockets-sansio``,
-    the default, ``websockets``, ``wsproto``, or ``websockets-sansio-stock``: uvicorn's
-    sans-I/O protocol without envport's flow-control change, see :func:`_ws_protocol`).
+    ``ENVPORT_WS_IMPL`` picks the WebSocket implementation: ``envport``, the default
+    (:mod:`envport.server.fastws`), ``websockets-sansio`` (every frame through ASGI),
+    ``websockets-sansio-stock``, ``websockets`` or ``wsproto`` (see :func:`_ws_protocol`).
     ``ENVPORT_WS_DEFLATE=1`` turns permessage-deflate on; it is off by default because
     compressing small JSON frames costs more CPU than it saves on a LAN.
     ``ENVPORT_LOOP`` is uvicorn's ``loop`` (``auto``: uvloop when it is installed).
@@ -35,7 +35,7 @@ def uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
-        ws=_ws_protocol(os.environ.get("ENVPORT_WS_IMPL", "websockets-sansio")),
+        ws=_ws_protocol(os.environ.get("ENVPORT_WS_IMPL", "envport")),
         ws_per_message_deflate=os.environ.get("ENVPORT_WS_DEFLATE", "0") == "1",
         loop=os.environ.get("ENVPORT_LOOP", "auto"),
         # Frames up to twice the limit reach the app, which answers PAYLOAD_TOO_LARGE
@@ -50,41 +50,33 @@ def uvicorn_config(
 
 
 def _ws_protocol(name: str) -> Any:
-    """uvicorn's WebSocket protocol for ``name``; for the sans-I/O one, a subclass.
+    """uvicorn's ``ws`` setting for ``ENVPORT_WS_IMPL=name``.
 
-    uvicorn's sans-I/O protocol pauses reading the socket after *every* message and
-    resumes when the app takes it: two ``epoll_ctl`` calls per frame, about a tenth of
-    the server's CPU per step. OpenEnv's protocol is request/response, so a client has
-    one frame in flight; the subclass lets one message wait unread without pausing and
-    pauses (the stock back-pressure) only when a second one arrives before the app took
-    the first. Memory per connection stays bounded (two messages instead of one).
+    ``envport`` (the default): :class:`~envport.server.fastws.EnvportWebSocketProtocol`,
+    uvicorn's sans-I/O protocol for the handshake, envport's frame loop for ``/ws``.
+    ``websockets-sansio``: the same protocol with every frame through ASGI (its flow
+    control fix kept). ``websockets-sansio-stock``, ``websockets``, ``wsproto``: uvicorn's own.
     """
     if name == "websockets-sansio-stock":
         return "websockets-sansio"
-    if name != "websockets-sansio":
+    if name not in ("envport", "websockets-sansio"):
         return name
-    try:
-        return _sansio_protocol()
-    except ImportError:  # an older uvicorn without the sans-I/O protocol
-        return "websockets"
+    from envport.server.fastws import EnvportWebSocketProtocol
+
+    if name == "envport":
+        return EnvportWebSocketProtocol
+    return _asgi_only_protocol()
 
 
 @functools.cache
-def _sansio_protocol() -> type[Any]:
-    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+def _asgi_only_protocol() -> type[Any]:
+    from envport.server.fastws import EnvportWebSocketProtocol
 
-    class EnvportWebSocketProtocol(WebSocketsSansIOProtocol):
-        def send_receive_event_to_app(self) -> None:
-            if self.read_paused or not self.queue.empty():
-                super().send_receive_event_to_app()  # pauses reading: back-pressure
-                return
-            self.read_paused = True  # the base class then queues without pausing
-            try:
-                super().send_receive_event_to_app()
-            finally:
-                self.read_paused = False
+    class AsgiOnlyProtocol(EnvportWebSocketProtocol):
+        def take_over(self) -> None:
+            return None
 
-    return EnvportWebSocketProtocol
+    return AsgiOnlyProtocol
 
 
 def serve(

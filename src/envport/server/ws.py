@@ -6,21 +6,24 @@ owns survive a dropped connection for ``resume_grace_s`` so the client can reatt
 A session that cannot be admitted (server full and the wait queue full or timed out)
 gets OpenEnv's ``CAPACITY_REACHED`` frame, then a normal close (code 1000).
 
-This is the hot path of the server, so the endpoint is a plain ASGI app that speaks
-the ``websocket.*`` messages itself rather than through Starlette's ``WebSocket``
-wrapper (whose state checks cost a few microseconds per frame). Replies are text
-frames, as OpenEnv's server sends them.
+This is the hot path of the server. On uvicorn with envport's WebSocket protocol
+(:mod:`envport.server.fastws`, the default of ``envport serve``) the endpoint takes the
+accepted connection's frames off the ASGI path and reads and writes them itself; on any
+other ASGI server it speaks the ``websocket.*`` messages (:class:`AsgiChannel`), not
+through Starlette's ``WebSocket`` wrapper, whose state checks cost a few microseconds per
+frame. Replies are text frames, as OpenEnv's server sends them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 
 from envport.errors import CapacityError, EnvportError
 from envport.protocol.codec import decode_frame, encode, error_frame
 from envport.server.dispatch import Connection, handle_frame
+from envport.server.fastws import fast_websocket
 from envport.server.sessions import SessionManager
 
 
@@ -32,29 +35,61 @@ class WebSocketEndpoint:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        await serve_connection(manager, receive, send)
+        channel: Channel | None = fast_websocket(scope)
+        await serve_connection(manager, channel or AsgiChannel(receive, send))
 
 
-async def serve_connection(manager: SessionManager, receive: Receive, send: Send) -> None:
+class Channel(Protocol):
+    """One accepted WebSocket, as the frame loop sees it."""
+
+    async def receive(self) -> str | bytes | None:
+        """The next message, ``None`` once the connection ended."""
+
+    async def send(self, payload: bytes) -> None:
+        """Send one text frame (raises ``OSError`` if the peer is gone)."""
+
+    async def close(self, code: int = 1000) -> None:
+        """Start the closing handshake."""
+
+
+class AsgiChannel:
+    """A WebSocket through ASGI's ``websocket.*`` messages (any ASGI server)."""
+
+    def __init__(self, receive: Receive, send: Send) -> None:
+        self._receive = receive
+        self._send = send
+
+    async def receive(self) -> str | bytes | None:
+        message = await self._receive()
+        if message["type"] != "websocket.receive":  # websocket.disconnect
+            return None
+        raw: str | bytes | None = message.get("text")
+        return raw if raw is not None else message.get("bytes") or b""
+
+    async def send(self, payload: bytes) -> None:
+        await self._send({"type": "websocket.send", "text": payload.decode()})
+
+    async def close(self, code: int = 1000) -> None:
+        await self._send({"type": "websocket.close", "code": code})
+
+
+async def serve_connection(manager: SessionManager, channel: Channel) -> None:
     """Answer frames on one accepted WebSocket until it closes."""
     max_bytes = manager.config.max_frame_bytes
     conn = Connection(manager)
     try:
         while True:
-            message = await receive()
-            if message["type"] != "websocket.receive":  # websocket.disconnect
-                break
-            raw: str | bytes | None = message.get("text")
+            raw = await channel.receive()
             if raw is None:
-                raw = message.get("bytes") or b""
+                break
             reply = await _answer(conn, raw, max_bytes)
-            await send({"type": "websocket.send", "text": encode(reply).decode()})
+            await channel.send(encode(reply))
             if _is_capacity_error(reply) and conn.primary is None:
-                await send({"type": "websocket.close", "code": 1000})
+                await channel.close(1000)
                 return
             if conn.closing:
                 await conn.release(keep_for_resume=False)
-                await send({"type": "websocket.close", "code": 1000})
+                await channel.close(1000)
                 return
     except OSError:  # the peer vanished while we were sending (uvicorn: ClientDisconnected)
         pass
