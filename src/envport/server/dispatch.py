@@ -92,9 +92,28 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
     return _with_id(reply, frame_id)
 
 
+#: Frames about the connection itself; every other frame acts on a session.
+_CONNECTION_FRAMES = frozenset({"hello", "open", "batch", "ping", "close"})
+
+
 async def _dispatch(conn: Connection, frame: dict[str, Any]) -> dict[str, Any]:
     kind = frame["type"]
     data = frame.get("data")
+    if kind not in _CONNECTION_FRAMES:  # reset / step / state / mcp / schema: the hot path
+        session = conn.primary
+        if session is None or session.closed:
+            session = await conn.primary_session()
+        frame_id = frame.get("id")
+        if conn.extended and frame_id is not None:
+            # A client that resumed after a dropped connection resends its last frame
+            # with the same id; answer from the cache so the step is applied exactly once.
+            cached = session.last_reply
+            if cached is not None and cached[0] == frame_id:
+                return dict(cached[1])
+            reply = await run_op(session, kind, data, extended=True)
+            session.last_reply = (frame_id, reply)
+            return reply
+        return await run_op(session, kind, data, extended=conn.extended)
     if kind == "hello":
         return await _hello(conn, data if isinstance(data, dict) else {})
     if kind == "open":
@@ -104,21 +123,8 @@ async def _dispatch(conn: Connection, frame: dict[str, Any]) -> dict[str, Any]:
         return await _batch(conn, data)
     if kind == "ping":
         return {"type": "pong", "data": conn.manager.stats()}
-    if kind == "close":
-        conn.closing = True
-        return {"type": "closed", "data": {}}
-    session = await conn.primary_session()
-    frame_id = frame.get("id")
-    if conn.extended and frame_id is not None:
-        # A client that resumed after a dropped connection resends its last frame with
-        # the same id; answer from the cache so the step is applied exactly once.
-        cached = session.last_reply
-        if cached is not None and cached[0] == frame_id:
-            return dict(cached[1])
-        reply = await run_op(session, kind, data, extended=True)
-        session.last_reply = (frame_id, reply)
-        return reply
-    return await run_op(session, kind, data, extended=conn.extended)
+    conn.closing = True  # "close", the last of _CONNECTION_FRAMES
+    return {"type": "closed", "data": {}}
 
 
 async def run_op(session: Session, kind: str, data: Any, *, extended: bool) -> dict[str, Any]:
