@@ -275,6 +275,36 @@ async def test_environment_process_killed_mid_step_is_retried(
     assert list((tmp_path / "instances").iterdir()) == []  # every server stopped
 
 
+async def test_a_sandbox_failure_across_the_wire_is_classified_and_retried(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    marker = tmp_path / "sandbox-once"
+    tasks = [task("sandbox-once", [f"sandbox_once:{marker}", "after"])]
+    config = ControllerConfig(max_attempts=3, **FAST)
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
+        summary = await ctl.run([RolloutSpec(t) for t in tasks])
+    assert (summary.succeeded, summary.failed, summary.retried) == (1, 0, 1)
+    first, second = db(store).attempts(rollout_id="r/sandbox-once/0")
+    assert (first.state, first.error_kind, second.state) == ("failed", "sandbox", "succeeded")
+    assert "shell died" in (first.error_message or "")
+
+
+def test_classify_tells_sandbox_failures_from_bad_requests() -> None:
+    from envport.errors import from_wire
+    from envport.rollout.controller import classify
+    from envport.sandbox import SandboxError, SandboxFailure, SandboxPathError
+    from envport.trace import ErrorKind
+
+    assert classify(SandboxFailure("bwrap could not start"), "env_start") is ErrorKind.SANDBOX
+    remote = from_wire(SandboxFailure("shell died").to_wire())
+    assert classify(remote, "agent") is ErrorKind.SANDBOX
+    # the agent's own mistakes inside a sandbox are the environment's answer, not retried
+    assert classify(SandboxPathError("outside the workspace"), "agent") is ErrorKind.ENVIRONMENT
+    assert classify(SandboxError("not a regular file"), "agent") is ErrorKind.ENVIRONMENT
+    assert ErrorKind.SANDBOX in ControllerConfig().retry_on
+
+
 @pytest.mark.timeout(150)
 async def test_cancellation_leaves_no_process_and_resume_finishes(
     store: AsyncTraceStore, tmp_path: Path

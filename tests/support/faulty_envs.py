@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from envport.env import Env
 from envport.envs.echo import EchoAction, EchoObservation
+from envport.sandbox import SandboxFailure
 from envport.types import StepResult
 
 
@@ -53,6 +54,9 @@ class FaultyEnv(Env[EchoAction, EchoObservation]):
                 if kind == "die_once":  # only ever sent to a server process
                     os.kill(os.getpid(), signal.SIGKILL)
                 await asyncio.sleep(3600)
+        # "sandbox_once:MARKER": the first instance to see it fails as a broken sandbox would
+        if action.message.startswith("sandbox_once:") and _first_time(action.message[13:]):
+            raise SandboxFailure("the sandbox's shell died; it was restarted")
         if action.message.startswith("sleep:"):
             await asyncio.sleep(float(action.message.split(":", 1)[1]))
         return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)

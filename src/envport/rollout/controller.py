@@ -113,6 +113,8 @@ def classify(exc: BaseException, stage: str) -> ErrorKind:
         return ErrorKind.INFRASTRUCTURE
     if stage == "env_start" and isinstance(exc, TimeoutError):
         return ErrorKind.INFRASTRUCTURE
+    if isinstance(exc, EnvportError) and exc.details.get("failure") == "sandbox":
+        return ErrorKind.SANDBOX  # a SandboxFailure, raised here or sent by a server
     if isinstance(exc, EnvportError):
         return ErrorKind.ENVIRONMENT
     return ErrorKind.HARNESS  # the agent loop itself, or its deadline

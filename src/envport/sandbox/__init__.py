@@ -14,6 +14,7 @@ from envport.sandbox.config import (
     SandboxClosedError,
     SandboxConfig,
     SandboxError,
+    SandboxFailure,
     SandboxPathError,
     SandboxUnavailableError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "SandboxClosedError",
     "SandboxConfig",
     "SandboxError",
+    "SandboxFailure",
     "SandboxPathError",
     "SandboxPool",
     "SandboxStatus",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import posixpath
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -33,7 +34,18 @@ class SandboxError(EnvportError):
     code = ErrorCode.EXECUTION_ERROR
 
 
-class SandboxUnavailableError(SandboxError):
+class SandboxFailure(SandboxError):
+    """The sandbox itself failed (it did not start, its shell died), not the request.
+
+    Its wire form carries ``"failure": "sandbox"``, so a rollout controller on the other
+    side of a connection classifies it as a sandbox failure and retries on a fresh one.
+    """
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message, failure="sandbox", **details)
+
+
+class SandboxUnavailableError(SandboxFailure):
     """This machine cannot isolate a sandbox (no bwrap, namespaces, overlayfs, cgroups)."""
 
 

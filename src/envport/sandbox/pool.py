@@ -20,7 +20,12 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from envport.sandbox.config import SandboxConfig, SandboxError, SandboxUnavailableError
+from envport.sandbox.config import (
+    SandboxConfig,
+    SandboxError,
+    SandboxFailure,
+    SandboxUnavailableError,
+)
 from envport.sandbox.probe import probe
 from envport.sandbox.sandbox import Sandbox, Snapshot
 
@@ -84,7 +89,7 @@ class SandboxPool:
     ) -> Sandbox:
         """An idle sandbox rebound to ``config``'s task (started now if none is idle)."""
         if self._closed:
-            raise SandboxError("the sandbox pool is closed")
+            raise SandboxFailure("the sandbox pool is closed")
         if not self.serves(config):
             raise SandboxError("this pool's sandboxes have another shape than the config asks")
         if self._idle:

@@ -82,6 +82,7 @@ from envport.sandbox.config import (
     SandboxClosedError,
     SandboxConfig,
     SandboxError,
+    SandboxFailure,
     SandboxPathError,
     SandboxUnavailableError,
 )
@@ -660,7 +661,7 @@ class Sandbox:
         if failed:
             for child in children:
                 await child.close()
-            raise SandboxError(f"fork failed: {failed[0]}") from failed[0]
+            raise SandboxFailure(f"fork failed: {failed[0]}") from failed[0]
         return children
 
     async def _fork_one(self, snap: Snapshot, state: str) -> Sandbox:
@@ -903,14 +904,14 @@ class Sandbox:
                     async with asyncio.timeout(START_TIMEOUT_S):
                         info = await _read_json_fd(r_info)
                 except TimeoutError:
-                    raise SandboxError(
+                    raise SandboxFailure(
                         f"bwrap did not set up the sandbox within {START_TIMEOUT_S:g} s"
                     ) from None
                 if info is None:
                     proc.wait()
                     assert proc.stderr is not None
                     detail = proc.stderr.read().decode("utf-8", "replace").strip()
-                    raise SandboxError(f"bwrap could not start the sandbox: {detail}")
+                    raise SandboxFailure(f"bwrap could not start the sandbox: {detail}")
                 init = int(info["child-pid"])
                 self._res.init_pid = init
                 assert self._res.cgroup is not None
@@ -924,12 +925,12 @@ class Sandbox:
         try:
             await shell.run_internal(":", timeout_s=START_TIMEOUT_S)
         except (ShellDied, TimeoutError) as exc:
-            raise SandboxError(f"the sandbox's shell did not start: {exc!r}") from exc
+            raise SandboxFailure(f"the sandbox's shell did not start: {exc!r}") from exc
         if self.isolated:
             assert self._res.init_pid is not None
             children = _children(self._res.init_pid)
             if not children:
-                raise SandboxError("the sandbox's shell is not running under its init")
+                raise SandboxFailure("the sandbox's shell is not running under its init")
             self._shell_pid = children[0]
         if self.isolated not in _FRESH_OPTIONS:
             _FRESH_OPTIONS[self.isolated] = (await shell.run_internal(OPTIONS_SCRIPT))[1]
@@ -958,7 +959,7 @@ class Sandbox:
             return await shell.run_internal(script, cap=_INTERNAL_CAP)
         except (ShellDied, TimeoutError):
             await self._restart_shell()
-            raise SandboxError("the sandbox's shell died; it was restarted") from None
+            raise SandboxFailure("the sandbox's shell died; it was restarted") from None
 
     async def _kill_strays(self) -> None:
         """Kill every process in the sandbox but its init and shell."""
