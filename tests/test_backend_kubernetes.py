@@ -115,6 +115,21 @@ async def test_job_start_step_stop(kube: tuple[FakeKube, str]) -> None:
         await backend.stop(inst)  # idempotent: 404 is "already gone"
 
 
+async def test_environment_options_reach_the_pods_server(backend: KubernetesBackend) -> None:
+    launch = EnvLaunch(env_id="echo-v1", options={"max_steps": 1})
+    assert backend.manifest(launch, "x")["spec"]["template"]["spec"]["containers"][0]["args"][
+        -2:
+    ] == ["--env-options", '{"max_steps": 1}']
+    inst = await backend.start(launch)
+    try:
+        async with inst.client() as env:
+            await env.reset()
+            result = await env.step({"message": "one"})
+            assert result.truncated  # max_steps=1 reached: the option was applied
+    finally:
+        await backend.stop(inst)
+
+
 async def test_pod_workload(kube: tuple[FakeKube, str]) -> None:
     fake, url = kube
     async with KubernetesBackend(
@@ -235,8 +250,6 @@ async def test_bad_launches_are_refused_before_any_request(
         await backend.start(EnvLaunch(env_id="echo-v1", labels={"run": "has space"}))
     with pytest.raises(BackendError, match="no per-pod pid limit"):
         await backend.start(EnvLaunch(env_id="echo-v1", limits=Limits(pids=64)))
-    with pytest.raises(BackendError, match="takes no environment options"):
-        await backend.start(EnvLaunch(env_id="echo-v1", options={"max_steps": 1}))
     async with KubernetesBackend(host=url, template="kind: Service\n") as b:
         with pytest.raises(BackendError, match="one Job or one Pod"):
             await b.start(EnvLaunch(env_id="echo-v1"))

@@ -403,3 +403,21 @@ async def test_http_bad_input(echo_url: str) -> None:
         )
         assert r.status_code == 409
         assert r.json()["error"]["code"] == "NOT_RESET"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [("{nope", "--env-options is not JSON"), ("[1]", "must be a JSON object")],
+)
+def test_server_module_refuses_bad_env_options(value: str, message: str) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "envport.server", "echo-v1", "--env-options", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert message in proc.stderr

@@ -9,9 +9,10 @@ lists what exists and suggests the closest id.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -129,11 +130,20 @@ def load_entry_point(path: str) -> EnvFactory:
     return target
 
 
-def resolve(env: str | EnvFactory) -> tuple[Callable[[], Env[Any, Any]], str]:
-    """A zero-argument factory and a display name for an id, path or factory."""
+def resolve(
+    env: str | EnvFactory, options: Mapping[str, Any] | None = None
+) -> tuple[Callable[[], Env[Any, Any]], str]:
+    """A zero-argument factory and a display name for an id, path or factory.
+
+    ``options`` are keyword arguments for the environment's constructor, on top of
+    (and overriding) those its registration gives.
+    """
     if isinstance(env, str):
         found = spec(env)
         factory = found.load()
-        kwargs = found.kwargs
+        kwargs = {**found.kwargs, **(options or {})}
         return (lambda: factory(**kwargs)), found.id
-    return env, getattr(env, "__name__", type(env).__name__)
+    name = getattr(env, "__name__", type(env).__name__)
+    if options:
+        return functools.partial(env, **options), name
+    return env, name

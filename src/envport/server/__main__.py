@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 
+from envport.registry import resolve
 from envport.server import ServerConfig, serve
 
 
@@ -14,9 +16,22 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-sessions", type=int, default=4096)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--env-options",
+        default="{}",
+        help="JSON object of keyword arguments for the environment's constructor",
+    )
     args = parser.parse_args()
+    try:
+        options = json.loads(args.env_options)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--env-options is not JSON: {exc}")
+    if not isinstance(options, dict):
+        parser.error("--env-options must be a JSON object")
+    factory, name = resolve(args.env, options)
+    factory.__name__ = name
     serve(
-        args.env,
+        factory,
         host=args.host,
         port=args.port,
         config=ServerConfig(max_sessions=args.max_sessions),

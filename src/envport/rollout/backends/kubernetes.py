@@ -194,12 +194,6 @@ class KubernetesBackend(Backend):
         """The object :meth:`start` would create for ``launch`` (a Job or a Pod dict)."""
         import yaml
 
-        if launch.options:
-            raise BackendError(
-                "the Kubernetes backend starts `python -m envport.server ENV_ID`, which "
-                f"takes no environment options (got {sorted(launch.options)}); register an "
-                "environment id with those keyword arguments instead"
-            )
         values = {
             "name": name,
             "image": self.image,
@@ -233,6 +227,10 @@ class KubernetesBackend(Backend):
             target["activeDeadlineSeconds"] = self.active_deadline_s
         if obj["kind"] == "Job" and self.ttl_after_finished_s is not None:
             obj["spec"]["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
+        if launch.options:  # the env container's server builds the env with them
+            _env_container(pod_spec).setdefault("args", []).extend(
+                ["--env-options", json.dumps(launch.options, sort_keys=True)]
+            )
         resources = _resources(launch.limits)
         if resources:
             container = _env_container(pod_spec)

@@ -264,17 +264,11 @@ class LocalProcessBackend(Backend):
 
 def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
     """The ASGI app (and its ServerConfig) that one instance process serves."""
-    from envport.registry import spec
+    from envport.registry import resolve
     from envport.server import ServerConfig, create_app
 
-    found = spec(env)
-    cls = found.load()
-    kwargs: dict[str, Any] = {**found.kwargs, **options}
-
-    def factory() -> Any:
-        return cls(**kwargs)
-
-    factory.__name__ = found.id
+    factory, name = resolve(env, options)
+    factory.__name__ = name
     # Room beyond the leased sessions for ones a dropped connection keeps for resume.
     config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
     return create_app(factory, config), config
