@@ -80,11 +80,33 @@ def _with_id(reply: dict[str, Any], frame_id: Any) -> dict[str, Any]:
     return reply
 
 
+#: Frames about the connection itself; every other frame acts on a session.
+_CONNECTION_FRAMES = frozenset({"hello", "open", "batch", "ping", "close"})
+
+
 async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any]:
     """Answer one decoded client frame (see :mod:`envport.protocol`)."""
     frame_id = frame.get("id")
+    kind = frame["type"]
+    data = frame.get("data")
     try:
-        reply = await _dispatch(conn, frame)
+        if kind in _CONNECTION_FRAMES:
+            reply = await _connection_frame(conn, kind, data)
+        else:  # reset / step / state / mcp / schema: the hot path, inline
+            session = conn.primary
+            if session is None or session.closed:
+                session = await conn.primary_session()
+            if conn.extended and frame_id is not None:
+                # A client that resumed after a dropped connection resends its last frame
+                # with the same id; answer from the cache: the step is applied once.
+                cached = session.last_reply
+                if cached is not None and cached[0] == frame_id:
+                    reply = dict(cached[1])
+                else:
+                    reply = await run_op(session, kind, data, extended=True)
+                    session.last_reply = (frame_id, reply)
+            else:
+                reply = await run_op(session, kind, data, extended=conn.extended)
     except EnvportError as exc:
         return error_frame(exc, frame_id)
     except Exception as exc:  # an env bug that escaped classification: still an answer
@@ -92,28 +114,7 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
     return _with_id(reply, frame_id)
 
 
-#: Frames about the connection itself; every other frame acts on a session.
-_CONNECTION_FRAMES = frozenset({"hello", "open", "batch", "ping", "close"})
-
-
-async def _dispatch(conn: Connection, frame: dict[str, Any]) -> dict[str, Any]:
-    kind = frame["type"]
-    data = frame.get("data")
-    if kind not in _CONNECTION_FRAMES:  # reset / step / state / mcp / schema: the hot path
-        session = conn.primary
-        if session is None or session.closed:
-            session = await conn.primary_session()
-        frame_id = frame.get("id")
-        if conn.extended and frame_id is not None:
-            # A client that resumed after a dropped connection resends its last frame
-            # with the same id; answer from the cache so the step is applied exactly once.
-            cached = session.last_reply
-            if cached is not None and cached[0] == frame_id:
-                return dict(cached[1])
-            reply = await run_op(session, kind, data, extended=True)
-            session.last_reply = (frame_id, reply)
-            return reply
-        return await run_op(session, kind, data, extended=conn.extended)
+async def _connection_frame(conn: Connection, kind: str, data: Any) -> dict[str, Any]:
     if kind == "hello":
         return await _hello(conn, data if isinstance(data, dict) else {})
     if kind == "open":

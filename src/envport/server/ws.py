@@ -16,6 +16,7 @@ frame. Replies are text frames, as OpenEnv's server sends them.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 from starlette.types import Receive, Scope, Send
@@ -35,8 +36,13 @@ class WebSocketEndpoint:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        channel: Channel | None = fast_websocket(scope)
-        await serve_connection(manager, channel or AsgiChannel(receive, send))
+        fast = fast_websocket(scope)
+        if fast is None:
+            await serve_connection(manager, AsgiChannel(receive, send))
+            return
+        # A task of its own: each frame then wakes one coroutine, not the dozen frames of
+        # ASGI middleware and routing this app is called through.
+        await asyncio.ensure_future(serve_connection(manager, fast))
 
 
 class Channel(Protocol):
@@ -82,9 +88,14 @@ async def serve_connection(manager: SessionManager, channel: Channel) -> None:
             raw = await channel.receive()
             if raw is None:
                 break
-            reply = await _answer(conn, raw, max_bytes)
+            try:
+                frame = decode_frame(raw, max_bytes)
+            except EnvportError as exc:
+                reply = error_frame(exc)
+            else:
+                reply = await handle_frame(conn, frame)
             await channel.send(encode(reply))
-            if _is_capacity_error(reply) and conn.primary is None:
+            if reply["type"] == "error" and _is_capacity_error(reply) and conn.primary is None:
                 await channel.close(1000)
                 return
             if conn.closing:
@@ -100,13 +111,5 @@ async def serve_connection(manager: SessionManager, channel: Channel) -> None:
 websocket_endpoint = WebSocketEndpoint()
 
 
-async def _answer(conn: Connection, raw: str | bytes, max_bytes: int) -> dict[str, Any]:
-    try:
-        frame = decode_frame(raw, max_bytes)
-    except EnvportError as exc:
-        return error_frame(exc)
-    return await handle_frame(conn, frame)
-
-
 def _is_capacity_error(reply: dict[str, Any]) -> bool:
-    return reply.get("type") == "error" and reply["data"].get("code") == CapacityError.code
+    return bool(reply["data"].get("code") == CapacityError.code)
