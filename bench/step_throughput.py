@@ -21,9 +21,12 @@ Three servers are started here as subprocesses on free loopback ports:
 Ratios are given against both OpenEnv flavours (``/o`` = default sync env, ``/oa`` =
 async-inlined env). Tool calls take the same FastMCP path in both flavours.
 
-Fairness: one load generator (the ``websockets`` asyncio client, orjson, no
-permessage-deflate, no keepalive pings) speaks the same OpenEnv frames to both, so
-the servers are what differs. Servers are measured one at a time (the other is
+Fairness: one load generator speaks the same OpenEnv frames to both, so the servers
+are what differs. By default it is ``LeanWS`` (``--client lean``), a minimal RFC 6455
+client in this file (masked frames, no per-frame tasks): the ``websockets`` library's
+asyncio client (``--client websockets``, no permessage-deflate, no keepalive pings)
+saturates its core near 15,000 steps/s, below what envport's server can answer, so it
+capped envport's figures, not OpenEnv's. Servers are measured one at a time (the other is
 idle), alternating which goes first per scenario. On a machine with two or more
 cores the client is pinned to CPU 0 and both servers to CPU 1, so client and
 server never compete for a core. Each server gets a warm-up before measuring.
