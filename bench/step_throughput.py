@@ -46,6 +46,8 @@ fixed load below capacity (``--paced-rate`` steps/s in all, each session steppin
 a steady pace from a random phase) and reports the latency at that load.
 
 Scenarios: seq (1 session x --steps), c64 / c256 / c1000 (concurrent sessions),
+c64-batch (64 sessions stepped together with envport's batch frames over one connection;
+OpenEnv, which has no batching, gets its best equivalent: 64 connections, as in c64),
 c1000-paced (1000 sessions at a fixed offered load),
 tool-seq / tool-c64 (``call_tool`` step actions), mcpws-seq (``{"type":"mcp"}``
 JSON-RPC ``tools/call`` over /ws), mcphttp-seq / mcphttp-c64 (JSON-RPC POST
@@ -483,6 +485,55 @@ async def ws_load(server: Server, sessions: int, per_session: int, kind: str) ->
     return result
 
 
+async def ws_batch_load(server: Server, sessions: int, rounds: int) -> Result:
+    """`sessions` sessions stepped together: envport's batch frames over one connection.
+
+    OpenEnv has no batching, so an OpenEnv server gets what it offers for the same job:
+    one connection per session (exactly :func:`ws_load`). Each step's latency is its
+    batch's round trip.
+    """
+    if server.name != "envport":
+        return await ws_load(server, sessions, rounds, "step")
+    result = Result()
+    ws = await LeanWS.connect(server.ws_url)
+    try:
+        await _rpc(ws, b'{"type":"hello"}')
+        ids = []
+        for _ in range(sessions):
+            reply, text = await _rpc(ws, b'{"type":"open"}')
+            ids.append(reply["data"]["session_id"])
+        reset = orjson.dumps(
+            {"type": "batch", "data": [{"session_id": i, "type": "reset"} for i in ids]}
+        )
+        reply, text = await _rpc(ws, reset)
+        if any(r.get("type") != "observation" for r in reply["data"]):
+            raise FrameError(f"batch reset answered {text[:200]}")
+        lat = result.lat_ns
+        with Measure(server, result):
+            for k in range(rounds):
+                frame = orjson.dumps(
+                    {
+                        "type": "batch",
+                        "data": [
+                            {"session_id": i, "type": "step", "data": {"message": f"b{n}.{k}"}}
+                            for n, i in enumerate(ids)
+                        ],
+                    }
+                )
+                t = time.perf_counter_ns()
+                reply, text = await _rpc(ws, frame)
+                took = time.perf_counter_ns() - t
+                lat.extend([took] * sessions)
+                bad = sum(1 for r in reply["data"] if r.get("type") != "observation")
+                if bad:
+                    result.errors += bad
+                    result.note = result.note or f"bad reply: {text[:160]}"
+        result.steps = len(lat)
+    finally:
+        await _close_session(ws)
+    return result
+
+
 async def ws_paced_load(server: Server, sessions: int, rate: float, duration_s: float) -> Result:
     """`sessions` WS sessions, `rate` steps/s offered in all, each at a steady pace."""
     result = Result()
@@ -697,6 +748,12 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
         Scenario("seq", f"(a) 1 session x {n} steps", ws(1, n, "step")),
         Scenario(
             "c64", f"(b) {c_small} sessions x {per(c_small)}", ws(c_small, per(c_small), "step")
+        ),
+        Scenario(
+            "c64-batch",
+            f"(b) {c_small} sessions x {per(c_small)}, envport batch frames (OpenEnv: "
+            f"{c_small} connections)",
+            lambda s: ws_batch_load(s, c_small, per(c_small)),
         ),
         Scenario("c256", f"(c) {c_mid} sessions x {per(c_mid)}", ws(c_mid, per(c_mid), "step")),
         Scenario("c1000", f"(d) {c_big} sessions x {per(c_big)}", ws(c_big, per(c_big), "step")),
@@ -1052,7 +1109,13 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    """The load generator runs on uvloop too when it is installed (the same for every server)."""
+    args = parse_args(argv)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(amain(args))
+    return uvloop.run(amain(args))
 
 
 if __name__ == "__main__":
