@@ -57,8 +57,10 @@ class StepResult(BaseModel, Generic[ObsT]):
 
     def to_wire(self, *, extended: bool = False) -> dict[str, Any]:
         """OpenEnv's observation payload; ``extended`` adds terminated/truncated."""
+        obs = self.observation
         data: dict[str, Any] = {
-            "observation": self.observation.model_dump(mode="json"),
+            # model_dump(mode="json") without its Python-level argument handling (hot path)
+            "observation": type(obs).__pydantic_serializer__.to_python(obs, mode="json"),
             "reward": self.reward,
             "done": self.done,
             "metadata": self.info,
