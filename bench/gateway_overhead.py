@@ -43,7 +43,10 @@ each concurrency level runs in rounds of ``--round`` requests, and every round v
 every target (rotating which goes first), so slow drift and noise land on all of them.
 Each target gets a warm-up first. Latency is per request (write to last byte);
 throughput is requests / wall time of that target's rounds. ``cpu us/call`` is the
-gateway process's CPU time (user+sys, all threads, from /proc) per call.
+gateway process's CPU time (user+sys, all threads, from /proc) per call, during the
+calls; ``+rollouts us/call`` adds what envport spends between rounds on the rollouts'
+bookkeeping (finishing the last round's: building and storing their traces; creating
+the next), the CPU per call of the whole workload (one rollout per worker per round).
 
 Pinning (``--layout``; ``--no-pin`` to turn off): ``proxy-alone`` (default) gives the
 proxy under test CPUs 1.. and puts the client and the fake upstream (a gateway's outside
@@ -590,6 +593,9 @@ class Target:
     ttft: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     wall: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)
+    # the same, plus the rollouts' bookkeeping between rounds (envport: finishing the last
+    # round's rollouts, i.e. building and storing their traces, and creating the next ones)
+    cpu_all: dict[tuple[str, int], float] = field(default_factory=dict)
     errors: int = 0
     conns: list[Conn] = field(default_factory=list)
 
@@ -663,6 +669,7 @@ class Bench:
         raise ValueError(t.name)
 
     async def _round(self, t: Target, c: int, n: int, stream: bool, key: Any) -> None:
+        cpu_before_slots = _proc_cpu(t.pid)
         slots = self._slots(t, c)
         while len(t.conns) < c:
             t.conns.append(Conn(HOST, t.port))
@@ -698,7 +705,9 @@ class Bench:
         await asyncio.gather(*(worker(w) for w in range(c)))
         if key:
             t.wall[key] = t.wall.get(key, 0.0) + time.perf_counter() - t0
-            t.cpu[key] = t.cpu.get(key, 0.0) + _proc_cpu(t.pid) - cpu0
+            cpu1 = _proc_cpu(t.pid)
+            t.cpu[key] = t.cpu.get(key, 0.0) + cpu1 - cpu0
+            t.cpu_all[key] = t.cpu_all.get(key, 0.0) + cpu1 - cpu_before_slots
 
     async def level(self, c: int, n: int, stream: bool) -> None:
         key = ("stream" if stream else "json", c)
@@ -825,6 +834,7 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 "ttft_p50_ms": pct(t.ttft.get(key, []), 50) * 1e3 if mode == "stream" else None,
                 "ttft_p99_ms": pct(t.ttft.get(key, []), 99) * 1e3 if mode == "stream" else None,
                 "cpu_us_per_call": (t.cpu[key] / n * 1e6) if (t.pid and n) else None,
+                "cpu_all_us_per_call": (t.cpu_all[key] / n * 1e6) if (t.pid and n) else None,
             }
             if base:
                 row["added_p50_ms"] = row["p50_ms"] - base["p50"] * 1e3
@@ -876,6 +886,7 @@ COLUMNS = [
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("added_ttft_ms", "+TTFT ms"),
     ("cpu_us_per_call", "gw cpu us/call"),
+    ("cpu_all_us_per_call", "+rollouts us/call"),
     ("over_floor_p50_ms", "p50 over floor ms"),
     ("ratio_p50", "agl/envport +p50"),
     ("ratio_p99", "agl/envport +p99"),
@@ -892,7 +903,7 @@ def cell(row: dict[str, Any], k: str) -> str:
         return _f(v, "{:.0f}")
     if k == "tput_pct":
         return _f(v, "{:.0f}%")
-    if k == "cpu_us_per_call":
+    if k in ("cpu_us_per_call", "cpu_all_us_per_call"):
         return _f(v, "{:.0f}")
     if k.startswith("ratio"):
         return _f(v, "{:.1f}x")

@@ -7,6 +7,7 @@ fault injection on, so every failure here is a real HTTP failure on a real socke
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -282,6 +283,47 @@ async def test_stream_chunks_are_relayed_as_they_arrive(serve: Any) -> None:
     assert call.response is not None
     assert call.response["choices"][0]["message"]["content"] == "Hello"
     assert call.metadata["logprobs"] == "missing"
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """One chunked HTTP/1.1 response body, read to its terminating chunk."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding: chunked" in head.lower()
+    body = b""
+    while size := int((await reader.readline()).split(b";")[0], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    assert await reader.readline() == b"\r\n"
+    return body
+
+
+async def test_a_stream_ends_with_done_and_a_complete_answer_on_a_kept_connection(
+    gw: Served,
+) -> None:
+    # [DONE] and the end of the chunked answer go out together; the agent's connection
+    # stays usable for its next call, and a finished stream is not taken for a cut one.
+    ro = await gw.rollout()
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
+    request = (
+        f"POST /rollouts/{ro['rollout_id']}/v1/chat/completions HTTP/1.1\r\n"
+        f"host: {host}\r\nauthorization: Bearer {ro['token']}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for _ in range(2):
+            writer.write(request)
+            answer = await _read_chunked(reader)
+            assert answer.startswith(b"data: {")
+            assert answer.endswith(b"data: [DONE]\n\n")
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    calls = await gw.calls(ro["rollout_id"])
+    assert [c.streamed for c in calls] == [True, True]
+    assert [c.error for c in calls] == [None, None]
+    assert all(c.choices and c.choices[0].finish_reason for c in calls)
 
 
 async def test_completions_streaming_and_not(gw: Served) -> None:
@@ -613,9 +655,13 @@ async def test_finish_stores_the_trace_and_revokes_the_agent(
     assert trace.reward == 1.0
     assert [c.streamed for c in trace.model_calls] == [False, True]
     assert all(c.choices[0].completion_token_ids for c in trace.model_calls)
-    view = await served.view(ro["rollout_id"])
+    view = await served.view(ro["rollout_id"])  # read back from the store
     assert view["state"] == "finished"
     assert view["trace_id"] == trace.trace_id
+    assert [c["streamed"] for c in view["model_calls"]] == [False, True]
+    assert view["model_calls"][1]["choices"] == [
+        c.model_dump(mode="json") for c in trace.model_calls[1].choices
+    ]
     again = await served.admin.post(
         f"/rollouts/{ro['rollout_id']}/v1/chat/completions", json={"messages": ASK}
     )
@@ -991,6 +1037,33 @@ def test_upstream_timeouts_from_httpx_or_seconds() -> None:
 def test_has_output_agrees_with_the_assembler(chunk: dict[str, Any]) -> None:
     api = "completions" if any("text" in c for c in chunk["choices"]) else "chat.completions"
     assert has_output(chunk) == StreamAssembler(api).feed(chunk)
+
+
+def test_a_long_stream_of_one_token_chunks_folds_every_token_in_order() -> None:
+    # vLLM streams one token per chunk: thousands of chunks fold into one choice whose
+    # token ids and logprobs are all there, in order (and the chunks are left as they were).
+    chunks = [
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": f"t{i}"},
+                    "token_ids": [i],
+                    "logprobs": {"content": [{"token": f"t{i}", "logprob": -i / 10}]},
+                }
+            ]
+        }
+        for i in range(3000)
+    ]
+    before = copy.deepcopy(chunks)
+    assembler = StreamAssembler("chat.completions")
+    for chunk in chunks:
+        assert assembler.feed(chunk)
+    (choice,) = assembler.response()["choices"]
+    assert choice["token_ids"] == list(range(3000))
+    assert [lp["logprob"] for lp in choice["logprobs"]["content"]] == [-i / 10 for i in range(3000)]
+    assert choice["message"]["content"] == "".join(f"t{i}" for i in range(3000))
+    assert chunks == before
 
 
 # --- restarts ---------------------------------------------------------------------------------

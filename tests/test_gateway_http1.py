@@ -406,6 +406,29 @@ async def test_a_reader_may_stop_early_and_drain_the_rest_for_reuse() -> None:
         await pool.aclose()
 
 
+async def test_a_body_whose_end_came_with_the_last_piece_is_done_without_another_read() -> None:
+    # The relay stops at [DONE]; when the end of the chunked body came in the same read
+    # (the usual case), draining needs no read and no timer: the connection goes back.
+    body = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n4\r\nb\n\nc\r\n0\r\n\r\n"
+    )
+
+    async with serve(answering(body, json_answer(b"{}"))) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        async for piece in response.chunks(batch=True):
+            assert piece == b"ab\n\nc"
+            break  # stop at the last piece, as the relay does after [DONE]
+        assert not response.at_eof()
+        await response.drain(0)  # no time to read: none is needed
+        assert response.at_eof()
+        assert pool.idle_connections() == 1
+        assert [p async for p in response.chunks(batch=True)] == []
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()
+
+
 async def test_a_drain_that_takes_too_long_closes_the_connection() -> None:
     async def handler(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int

@@ -251,7 +251,11 @@ class Gateway:
         self.public_url = public_url
         self.keep_finished = keep_finished
         self.rollouts: dict[str, Rollout] = {}
-        self._finished: OrderedDict[str, Trace] = OrderedDict()
+        # Finished rollouts (their ids answer 410). Their traces are kept here only when
+        # there is no store; with one they are read back from it: thousands of traces
+        # held in memory would make every full garbage collection pause the event loop
+        # for 100+ ms (measured with streams carrying logprobs).
+        self._finished: OrderedDict[str, Trace | None] = OrderedDict()
         self.counters = {"calls": 0, "call_errors": 0, "denied": 0, "rollouts_finished": 0}
         self.restored = self._restore_rollouts()
 
@@ -354,7 +358,7 @@ class Gateway:
         rollout.state = RolloutState.FINISHED
         del self.rollouts[rollout_id]
         self.pool.forget(rollout_id)
-        self._finished[rollout_id] = trace
+        self._finished[rollout_id] = trace if self.store is None else None
         while len(self._finished) > self.keep_finished:
             self._finished.popitem(last=False)
         self.counters["rollouts_finished"] += 1
@@ -714,13 +718,15 @@ class _Relay:
     """Relays an upstream SSE stream to the agent event by event, recording as it goes.
 
     Each event is sent on, as the upstream's bytes, as soon as its terminating blank line
-    arrives; nothing waits for the rest of the stream. Each chunk is parsed once (to
-    catch errors and the first token) and kept; folding the chunks into the recorded
-    response waits until the rollout is read. If upstream fails midway (dropped
-    connection, read timeout, a chunk that is not JSON, an error event, no ``[DONE]``),
-    the agent gets an error event and the stream ends; the call is recorded with the
-    error. If the agent goes away (one waiting ``receive()`` hears it), the relay is
-    cancelled, the upstream request closed and the call recorded as cut by the client.
+    arrives; nothing waits for the rest of the stream (all the events of one upstream
+    read go in one write; ``[DONE]`` and the end of the answer in one). Each chunk is
+    parsed to catch errors and the first token, and only its bytes are kept: parsing
+    them again, all in one call, and folding them into the recorded response wait until
+    the rollout is read. If upstream fails midway (dropped connection, read timeout, a
+    chunk that is not JSON, an error event, no ``[DONE]``), the agent gets an error
+    event and the stream ends; the call is recorded with the error. If the agent goes
+    away (one waiting ``receive()`` hears it), the relay is cancelled, the upstream
+    request closed and the call recorded as cut by the client.
     """
 
     def __init__(self, call: _Call, opened: Opened) -> None:
@@ -732,21 +738,23 @@ class _Relay:
         ]
         self.call = call
         self.opened = opened
-        self.chunks: list[dict[str, Any]] = []
+        self.datas: list[bytes] = []  # each chunk's JSON, as upstream sent it
         self._first = False
         self._complete = False  # [DONE] arrived
+        self._translating = call.api.stream_from_chat is not None
+        self._relaying = True  # a disconnect heard now cuts the stream
+        self._ended = False  # the agent's answer was ended (with [DONE])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        relaying = True
         client_gone = False
 
         def heard(message: asyncio.Future[Message]) -> None:
             nonlocal client_gone
             if message.cancelled() or message.exception() is not None:
                 return
-            if message.result()["type"] == "http.disconnect" and relaying:
+            if message.result()["type"] == "http.disconnect" and self._relaying:
                 client_gone = True
                 task.cancel()
 
@@ -757,14 +765,14 @@ class _Relay:
                 {"type": "http.response.start", "status": self.status, "headers": self.headers}
             )
             await self._pump(send)
-            relaying = False
+            self._relaying = False
         except asyncio.CancelledError:
-            relaying = False
+            self._relaying = False
             if not client_gone:
                 raise
             task.uncancel()
         finally:
-            relaying = False
+            self._relaying = False
             watcher.cancel()
             if client_gone or not self._complete:
                 await self.opened.aclose()
@@ -777,7 +785,7 @@ class _Relay:
             self._record()
         try:
             await asyncio.wait([watcher])
-            if not client_gone:
+            if not client_gone and not self._ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             # After [DONE] and the agent's answer is complete: read the end of upstream's
@@ -786,8 +794,8 @@ class _Relay:
 
     def _record(self) -> None:
         """Record the call (once): before [DONE] is relayed, or when the stream fails."""
-        if self.chunks:
-            self.call.record.chunks = self.chunks
+        if self.datas:
+            self.call.record.raw_chunks = self.datas
         self.call.done()
 
     async def _pump(self, send: Send) -> None:
@@ -795,7 +803,12 @@ class _Relay:
         try:
             if api.stream_from_chat is None:
                 async for raw, _ in self._events():
-                    await send({"type": "http.response.body", "body": raw, "more_body": True})
+                    if self._complete:  # [DONE] ends the agent's answer too: one write
+                        self._relaying = False
+                        self._ended = True
+                        await send({"type": "http.response.body", "body": raw})
+                    else:
+                        await send({"type": "http.response.body", "body": raw, "more_body": True})
             else:
                 request = self.call.record.agent_request
                 model = str(request.get("model") or "")
@@ -814,8 +827,11 @@ class _Relay:
                 yield chunk
 
     async def _events(self) -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
-        """The complete events of each upstream read, as (their bytes, their JSON data);
-        stops after [DONE]. Events before a bad one are passed on before it fails."""
+        """The complete events of each upstream read, as (their bytes, their chunks);
+        stops after [DONE]. Events before a bad one are passed on before it fails.
+
+        The chunks (parsed) are given only to a translator; a pass-through relay gets an
+        empty list, and each chunk's bytes are kept for the record instead."""
         buf = b""
         url = self.opened.upstream.base_url
         try:
@@ -841,7 +857,9 @@ class _Relay:
                                 self._record()
                                 yield events[:end], chunks
                                 return
-                            chunks.append(self._chunk(data))
+                            chunk = self._check(data)
+                            if self._translating:
+                                chunks.append(chunk)
                     except _StreamBroken:
                         if good:  # pass on the events before the bad one
                             yield events[:good], chunks
@@ -857,7 +875,10 @@ class _Relay:
             ) from exc
         raise _StreamBroken(UpstreamError(f"Upstream {url} ended the stream before [DONE]."))
 
-    def _chunk(self, data: bytes) -> dict[str, Any]:
+    def _check(self, data: bytes) -> dict[str, Any]:
+        """Parse one chunk: it must be a JSON object and no error; keep its bytes (the
+        parsed chunk is dropped at once unless a translator takes it: objects that live
+        on until the record is built cost the garbage collector on every later call)."""
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -870,7 +891,7 @@ class _Relay:
             error = chunk["error"]
             message = error.get("message") if isinstance(error, dict) else str(error)
             raise _StreamBroken(UpstreamError(f"Upstream reported an error mid-stream: {message}"))
-        self.chunks.append(chunk)
+        self.datas.append(data)
         if not self._first and has_output(chunk):
             self._first = True
             self.call.record.mark_first_token()

@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envport.trace.model import (
@@ -261,24 +262,38 @@ class StreamAssembler:
 
     def _choice(self, raw: Mapping[str, Any]) -> bool:
         index = int(raw.get("index") or 0)
-        state = self.choices.setdefault(
-            index,
-            {"text": [], "reasoning": [], "tools": {}, "ids": None, "lps": None, "role": None},
-        )
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = {
+                "text": [],
+                "reasoning": [],
+                "tools": {},
+                "ids": None,
+                "lps": None,
+                "role": None,
+            }
         produced = False
-        if raw.get("token_ids"):
-            produced = True
-        if raw.get("token_ids") is not None:
-            state["ids"] = (state["ids"] or []) + list(raw["token_ids"])
+        # Lists grow in place (a stream may have thousands of one-token chunks: copying
+        # what was gathered so far on every chunk would make folding them quadratic).
+        ids = raw.get("token_ids")
+        if ids is not None:
+            produced = bool(ids)
+            if state["ids"] is None:
+                state["ids"] = []
+            state["ids"].extend(ids)
         if raw.get("prompt_token_ids") is not None:
             state.setdefault("prompt_token_ids", list(raw["prompt_token_ids"]))
         block = raw.get("logprobs")
         if isinstance(block, Mapping):
-            lps = state["lps"] or {}
+            lps = state["lps"]
+            if lps is None:
+                lps = state["lps"] = {}
             for key, value in block.items():
                 if isinstance(value, list):
-                    lps[key] = lps.get(key, []) + value
-            state["lps"] = lps
+                    if key in lps:
+                        lps[key].extend(value)
+                    else:
+                        lps[key] = list(value)
         for key in ("finish_reason", "stop_reason"):
             if raw.get(key) is not None:
                 state[key] = raw[key]
@@ -367,7 +382,8 @@ class CallRecord:
     """What the gateway collects while a call runs; :meth:`build` makes the ModelCall.
 
     Only cheap things happen while the call runs: the raw parsed response (or a stream's
-    parsed chunks, folded by :meth:`build`), the time of the first token, and the
+    chunks as upstream sent them, parsed and folded by :meth:`build`), the time of the
+    first token, and the
     latency (:meth:`finish`). Building the pydantic record (choices, token ids, logprobs,
     usage) waits until someone reads the rollout (:attr:`Rollout.calls`), off the
     response path.
@@ -387,7 +403,7 @@ class CallRecord:
     ttft_s: float | None = None
     error: TraceError | None = None
     call_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
-    chunks: list[dict[str, Any]] | None = None  # a stream's chunks, when no response
+    raw_chunks: list[bytes] | None = None  # a stream's chunks (JSON objects), unparsed
     latency_s: float | None = None
 
     def mark_first_token(self) -> None:
@@ -403,12 +419,15 @@ class CallRecord:
         self.finish()
         latency = self.latency_s
         assert latency is not None
-        if self.response is None and self.chunks:
+        if self.response is None and self.raw_chunks:
+            # Each chunk was checked to be a JSON object when it was relayed, so the list
+            # they make parses as exactly those objects, in one call.
+            chunks = orjson.loads(b"[" + b",".join(self.raw_chunks) + b"]")
             assembler = StreamAssembler(parse_api)
-            for chunk in self.chunks:
+            for chunk in chunks:
                 assembler.feed(chunk)
             self.response = assembler.response()
-            self.chunks = None
+            self.raw_chunks = None
         metadata: dict[str, Any] = {"attempt_log": self.attempts}
         if self.status is not None:
             metadata["status"] = self.status

@@ -360,6 +360,7 @@ class Response:
         self._chunked = False
         self._pending = b""  # chunked: bytes read past the last piece passed on
         self._trailers = False  # chunked: the last chunk was read
+        self._body_read = False  # chunked: the end of the body was read (maybe not passed on)
         if status in _NO_BODY or status < 200:
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
@@ -424,6 +425,8 @@ class Response:
         timeout = self._pool.timeouts.read
         deadline: _ReadDeadline | None = None
         try:
+            if self._body_read:
+                return
             if self._chunked:
                 # Every chunk already received goes out in one piece per read (one read,
                 # one timeout): a stream whose events arrive faster than they are relayed
@@ -444,7 +447,9 @@ class Response:
                         if trailers:
                             empty = not buf[pos:nl].strip()
                             pos = nl + 1
-                            if empty:
+                            if empty:  # the body ends here, and all of it was read
+                                self._pending = b""
+                                self._body_read = True
                                 if out:
                                     yield b"".join(out)
                                 return
@@ -532,6 +537,9 @@ class Response:
         """Read (and drop) what is left of the body, for at most ``timeout_s``, so the
         connection can be reused; if that fails or takes longer, the connection is closed."""
         if self._eof:
+            return
+        if self._body_read:  # nothing left on the connection: no read, no timer
+            self._finish()
             return
         try:
             async with asyncio.timeout(timeout_s):

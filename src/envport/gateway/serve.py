@@ -7,6 +7,7 @@ The orchestrator token comes from ``orchestrator_token``, else the
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from collections.abc import Sequence
@@ -78,9 +79,15 @@ def serve_gateway(
     print(f"envport gateway on http://{host}:{port} -> {', '.join(upstreams)}", file=sys.stderr)
     if not given:
         print(f"orchestrator token: {gateway.orchestrator_token}", file=sys.stderr, flush=True)
+    app = create_gateway_app(gateway)
+    # What exists now (modules, models, the app) lives as long as the process: moved out
+    # of the garbage collector's sight, so full collections, which pause every stream,
+    # scan only what serving creates.
+    gc.collect()
+    gc.freeze()
     try:
         uvicorn.run(
-            create_gateway_app(gateway),
+            app,
             host=host,
             port=port,
             log_level=log_level,
