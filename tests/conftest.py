@@ -14,3 +14,15 @@ def openenv_echo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log: Path = tmp_path_factory.mktemp("openenv") / "server.log"
     with server_process([*openenv_echo_argv(), "--max-concurrent-envs", "64"], log) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module (``pytestmark = usefixtures(...)``): the tiny
+    models gain nothing from more, and the tests' servers keep the other core."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

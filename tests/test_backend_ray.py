@@ -28,12 +28,13 @@ import pytest
 
 from envport.rollout.backends.base import BackendError, EnvLaunch, Limits
 from envport.serving import free_port
+from tests.support.backends import echo
 
 ray = pytest.importorskip("ray")
 
 from envport.rollout.backends.ray import RayBackend  # noqa: E402
 
-# Starting two Ray nodes on a loaded two-core machine takes 30-60 s, in the first test's
+# Starting two Ray nodes on a loaded two-core machine takes 15-60 s, in the first test's
 # setup, and each actor start 2-6 s: the per-test limit is raised for this module only.
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,6 +50,8 @@ RAY_ENV = {
     "RAY_health_check_period_ms": "500",
     "RAY_health_check_timeout_ms": "500",
     "RAY_health_check_failure_threshold": "3",
+    # The worker node starts beside the head and waits up to this long for its GCS.
+    "RAY_gcs_server_port_wait_time_s": "120",
 }
 
 
@@ -144,7 +147,8 @@ def _cluster() -> Iterator[RayCluster]:
             temp_dir,
         )
         found.nodes["head"] = head
-        _wait_started(head)
+        # The worker starts at once, not after the head: it retries the head's GCS until
+        # it answers (RAY_gcs_server_port_wait_time_s), so the two start-ups overlap.
         worker = found.nodes["worker"] = _ray_start(
             "worker",
             [
@@ -155,6 +159,7 @@ def _cluster() -> Iterator[RayCluster]:
             ],
             temp_dir,
         )
+        _wait_started(head)
         _wait_started(worker)
         ray.init(address=found.address, namespace="envport", log_to_driver=False)
         for info in ray.nodes():
@@ -188,10 +193,7 @@ async def test_start_step_stop(backend: RayBackend, cluster: RayCluster) -> None
     assert inst.url.startswith("http://")
     assert inst.meta["node_id"] in {n.node_id for n in cluster.nodes.values()}
     assert inst.start_latency_s is not None
-    async with inst.client() as env:
-        await env.reset()
-        result = await env.step({"message": "hello"})
-    assert result.observation["echoed_message"] == "hello"
+    assert await echo(inst, "hello") == "hello"
     assert await backend.healthy(inst)
     await backend.stop(inst)
     assert not await backend.healthy(inst)
@@ -204,11 +206,7 @@ async def test_spread_places_instances_on_several_nodes(backend: RayBackend) -> 
     nodes = {i.meta["node_id"] for i in insts}
     assert len(nodes) > 1, f"all instances on one node: {nodes}"
     for inst in insts:
-        async with inst.client() as env:
-            await env.reset()
-            assert (await env.step({"message": inst.instance_id})).observation[
-                "echoed_message"
-            ] == inst.instance_id
+        assert await echo(inst, inst.instance_id) == inst.instance_id
 
 
 async def test_resources_and_labels_pin_the_node(cluster: RayCluster) -> None:
@@ -269,11 +267,7 @@ async def test_readopts_instances_after_controller_restart(
         assert adopted.instance_id == started["id"]
         assert adopted.url == started["url"]
         assert await restarted.healthy(adopted)
-        async with adopted.client() as env:
-            await env.reset()
-            assert (await env.step({"message": "still here"})).observation[
-                "echoed_message"
-            ] == "still here"
+        assert await echo(adopted, "still here") == "still here"
         await restarted.stop(adopted)
         assert await restarted.list({"run": "r-adopt"}) == []
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +15,9 @@ from envport.policy import create_policy_app
 from envport.serving import free_port, serve_in_thread
 from envport.tasks import Task, load
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, TraceStatus
+from tests.support.cli import CLI_ENV, envport_cli
 
-ENVPORT = str(Path(sys.executable).parent / "envport")
-WIDE = {**os.environ, "COLUMNS": "220"}
+WIDE = {**CLI_ENV, "COLUMNS": "220"}
 
 
 @pytest.fixture(scope="module")
@@ -187,67 +184,31 @@ def test_pass_at_k() -> None:
 
 def test_cli_eval_and_traces(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
-    done = subprocess.run(
-        [
-            ENVPORT,
-            "eval",
-            "builtin:arithmetic",
-            "--limit",
-            "5",
-            "-k",
-            "2",
-            "--store",
-            str(db),
-            "--run-id",
-            "cli",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    done = envport_cli(
+        "eval",
+        "builtin:arithmetic",
+        *("--limit", "5", "-k", "2", "--store", str(db), "--run-id", "cli", "--json"),
     )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["rollouts"] == 10
     assert summary["completed"] == 10
     assert set(summary["pass_at_k"]) == {"1", "2"}
-    listed = subprocess.run(
-        [ENVPORT, "traces", "list", "--store", str(db), "--run", "cli"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        env=WIDE,
+    listed = envport_cli(
+        "traces", "list", "--store", str(db), "--run", "cli", env=WIDE, timeout=60, check=True
     )
     assert "arithmetic-000" in listed.stdout
     trace_id = SQLiteTraceStore(db).query(run_id="cli", limit=1)[0].trace_id
-    shown = subprocess.run(
-        [ENVPORT, "traces", "show", trace_id, "--store", str(db)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        env=WIDE,
+    shown = envport_cli(
+        "traces", "show", trace_id, "--store", str(db), env=WIDE, timeout=60, check=True
     )
     assert "completion ids [" in shown.stdout
     assert "logprobs [" in shown.stdout
     assert "What is" in shown.stdout
     out = tmp_path / "export.jsonl"
-    subprocess.run(
-        [ENVPORT, "traces", "export", str(out), "--store", str(db)],
-        check=True,
-        timeout=60,
-        capture_output=True,
-    )
+    envport_cli("traces", "export", str(out), "--store", str(db), timeout=60, check=True)
     assert len(out.read_text().splitlines()) == 10
-    bad = subprocess.run(
-        [ENVPORT, "eval", str(tmp_path / "missing.jsonl"), "--store", str(db)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    bad = envport_cli("eval", str(tmp_path / "missing.jsonl"), "--store", str(db), timeout=60)
     assert bad.returncode == 2
     assert "missing.jsonl" in bad.stderr
 
@@ -267,13 +228,7 @@ def test_cli_eval_harbor_task_dir(tmp_path: Path) -> None:
     )
     (task / "environment" / "Dockerfile").write_text("FROM debian:bookworm-slim\n")
     db = tmp_path / "h.db"
-    done = subprocess.run(
-        [ENVPORT, "eval", str(task), "--store", str(db), "--max-turns", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = envport_cli("eval", str(task), "--store", str(db), "--max-turns", "1", "--json")
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["completed"] == 1, SQLiteTraceStore(db).query()[0].errors

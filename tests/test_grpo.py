@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -15,19 +13,13 @@ from envport.train.grpo import GrpoConfig, GrpoTrainer, RowError, pack, token_lo
 from envport.train.pipeline import Pipeline, PipelineConfig, addition_tasks
 from envport.train.rows import TrainingRow
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, max_len=64, seed=3)
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n")
 GOOD = [*TOK.encode("2"), TOK.im_end_id]
 BAD = [*TOK.encode("3"), TOK.im_end_id]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def logprobs_of(module: torch.nn.Module, completion: list[int]) -> list[float]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,16 +29,10 @@ from envport.train.pipeline import (
     serve_stack,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, max_len=80, seed=4)
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_tasks_ask_what_the_environment_asks() -> None:

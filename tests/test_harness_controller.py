@@ -14,6 +14,7 @@ from envport.rollout import Controller, ControllerConfig, InProcessBackend, Roll
 from envport.rollout.controller import Harness
 from envport.tasks import Task
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace, TraceStatus
+from tests.support.processes import alive
 
 #: Records its pid and a child's, prints ``lines`` progress lines ``every`` seconds
 #: apart, then exits 0, exits 3, or hangs silently, as ``then`` says.
@@ -32,14 +33,6 @@ if then == "hang":
     time.sleep(300)
 child.kill()
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.fixture
@@ -87,7 +80,7 @@ async def test_output_lines_keep_a_slow_cli_agent_alive(
     assert "base_url http://gateway.invalid/rollouts/x/v1" in record["stdout_tail"]
     assert "step 3" in record["stderr_tail"]
     assert trace.harness == "cli"
-    assert not any(_alive(pid) for pid in pids_of(pids))
+    assert not any(alive(pid) for pid in pids_of(pids))
 
 
 async def test_silent_cli_agent_is_cut_as_hung_and_its_tree_killed(
@@ -105,8 +98,8 @@ async def test_silent_cli_agent_is_cut_as_hung_and_its_tree_killed(
     (attempt,) = store.store.attempts(rollout_id="r/t/0")  # a harness fault: no retry
     assert attempt.error_kind == "harness"
     leader, child = pids_of(pids)
-    assert not _alive(leader)
-    assert not _alive(child)
+    assert not alive(leader)
+    assert not alive(child)
 
 
 async def test_cli_agent_deadline_is_a_harness_failure(
@@ -119,7 +112,7 @@ async def test_cli_agent_deadline_is_a_harness_failure(
     assert trace.stop_reason == "timeout"
     assert [e.kind.value for e in trace.errors] == ["harness"]
     assert "deadline" in trace.errors[0].message
-    assert not any(_alive(pid) for pid in pids_of(pids))
+    assert not any(alive(pid) for pid in pids_of(pids))
 
 
 async def test_cli_agent_crash_is_a_harness_failure(store: AsyncTraceStore, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from envport.policy import ScriptedPolicy, create_policy_app
 from envport.serving import serve_in_thread
 from envport.tasks import Task
 from envport.trace import ErrorKind, Trace
+from tests.support.processes import alive
 
 REPO = Path(__file__).resolve().parents[1]
 MINI_SPEC = "mini-swe-agent==2.4.6"
@@ -69,14 +70,6 @@ if "--exit" in sys.argv:
     sys.exit(0)  # leave the child behind
 time.sleep(300)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +198,7 @@ async def test_deadline_kills_the_whole_process_group(tmp_path: Path, ignore_ter
     assert result.exit_code == (-9 if ignore_term else -15)
     assert result.stdout_tail == "started\n"
     pids = [int(p) for p in (workdir / "pids").read_text().split()]
-    assert [_alive(pid) for pid in pids] == [False, False]  # the agent and its child
+    assert [alive(pid) for pid in pids] == [False, False]  # the agent and its child
     assert trace.stop_reason == "timeout"
     [error] = trace.errors
     assert error.kind is ErrorKind.HARNESS
@@ -221,7 +214,7 @@ async def test_children_left_behind_by_an_exited_agent_are_ended(tmp_path: Path)
     result = await harness.run("leave a child", workdir=workdir)
     assert (result.exit_code, result.timed_out) == (0, False)
     pids = [int(p) for p in (workdir / "pids").read_text().split()]
-    assert [_alive(pid) for pid in pids] == [False, False]
+    assert [alive(pid) for pid in pids] == [False, False]
 
 
 async def test_cancelling_the_run_kills_the_agent(tmp_path: Path) -> None:
@@ -237,7 +230,7 @@ async def test_cancelling_the_run_kills_the_agent(tmp_path: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await run
     leader, _child = (int(p) for p in (workdir / "pids").read_text().split())
-    assert not _alive(leader)
+    assert not alive(leader)
 
 
 async def test_cancelling_while_stragglers_are_ended_kills_them(tmp_path: Path) -> None:
@@ -252,16 +245,16 @@ async def test_cancelling_while_stragglers_are_ended_kills_them(tmp_path: Path) 
         while True:  # until the agent is gone and its child sits out the grace period
             if pids_file.exists() and pids_file.read_text():
                 leader, child = (int(p) for p in pids_file.read_text().split())
-                if not _alive(leader):
+                if not alive(leader):
                     break
             await asyncio.sleep(0.05)
     try:
         run.cancel()
         with pytest.raises(asyncio.CancelledError):
             await run
-        assert not _alive(child)
+        assert not alive(child)
     finally:
-        if _alive(child):
+        if alive(child):
             os.kill(child, signal.SIGKILL)
 
 
@@ -355,9 +348,16 @@ def _install_mini_swe_agent() -> Path:
     shutil.rmtree(MINI_VENV, ignore_errors=True)
     MINI_VENV.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "venv", str(MINI_VENV)], check=True, timeout=120)
+    # uv (which `make` puts in .venv) shares its cache with .venv and installs in seconds.
+    uv = Path(sys.executable).parent / "uv"
+    install = (
+        [str(uv), "pip", "install", "-q", "--python", str(python)]
+        if uv.exists()
+        else [str(MINI_VENV / "bin" / "pip"), "install", "-q"]
+    )
     try:
         done = subprocess.run(
-            [str(MINI_VENV / "bin" / "pip"), "install", "-q", MINI_SPEC],
+            [*install, MINI_SPEC],
             capture_output=True,
             text=True,
             timeout=500,

@@ -26,6 +26,7 @@ from envport.rollout import (
 )
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
 from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
+from tests.support.backends import echo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,10 +221,7 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
         assert instance.url is not None
         assert instance.start_latency_s is not None
         assert await first.healthy(instance)
-        async with instance.client() as env:
-            await env.reset()
-            result = await env.step({"message": "hi"})
-            assert result.observation["echoed_message"] == "hi"
+        assert await echo(instance, "hi") == "hi"
         assert [i.instance_id for i in await first.list({"envport-run": "r1"})] == [
             instance.instance_id
         ]

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,38 +12,14 @@ import pytest
 
 from envport.trace import SQLiteTraceStore, TraceStatus
 from envport.train.rows import build_rows
+from tests.support.cli import CLI_ENV, ENVPORT, completed, envport_cli, kill_midway, run_args
 
-ROOT = Path(__file__).resolve().parent.parent
-ENVPORT = str(Path(sys.executable).parent / "envport")
 FAULTY = "tests.support.faulty_envs:FaultyEnv"
 RUN_A = ["--run-id", "a", "--json"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
 
 
-def _argv(tasks: Path, db: Path, *extra: str) -> list[str]:
-    return [
-        ENVPORT,
-        "run",
-        str(tasks),
-        "--backend",
-        "local",
-        "-c",
-        "2",
-        "--max-turns",
-        "1",
-        "--store",
-        str(db),
-        "--run-id",
-        "kr",
-        *extra,
-    ]
-
-
-def _completed(db: Path) -> int:
-    if not db.exists():
-        return 0
-    with SQLiteTraceStore(db) as store:
-        return store.count(run_id="kr", status="completed")
+def _args(tasks: Path, db: Path, *extra: str) -> list[str]:
+    return run_args(str(tasks), db, "kr", "--backend", "local", "--max-turns", "1", *extra)
 
 
 @pytest.mark.timeout(150)
@@ -58,34 +32,13 @@ def test_controller_killed_midway_and_restarted_runs_each_rollout_once(tmp_path:
     db = tmp_path / "runs" / "t.db"
     state_dir = tmp_path / "runs" / "instances"
 
-    first = subprocess.Popen(
-        _argv(tasks, db), cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while _completed(db) < 3:
-            assert first.poll() is None, first.stderr.read() if first.stderr else ""
-            assert time.monotonic() < deadline, "the first controller made no progress"
-            time.sleep(0.05)
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        if first.stderr is not None:
-            first.stderr.close()
-    done_before = _completed(db)
+    kill_midway(_args(tasks, db), db, "kr", cwd=tmp_path)
+    done_before = completed(db, "kr")
     assert done_before < n, "killed too late to test a restart"
     orphans = [json.loads(p.read_text())["meta"]["pid"] for p in state_dir.glob("*.json")]
     assert orphans, "the killed controller's environment servers outlive it, to be re-adopted"
 
-    second = subprocess.run(
-        _argv(tasks, db, "--resume", "--json"),
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    second = envport_cli(*_args(tasks, db, "--resume", "--json"), cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout)
     assert summary["rollouts"] == n
@@ -113,34 +66,13 @@ def test_controller_killed_midway_and_restarted_runs_each_rollout_once(tmp_path:
 
 def test_run_refuses_to_mix_runs_and_bad_input(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    ok = subprocess.run(
-        [ENVPORT, "run", "builtin:arithmetic", "--limit", "2", "--store", str(db), *RUN_A],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=ENV,
-    )
+    ok = envport_cli("run", "builtin:arithmetic", "--limit", "2", "--store", str(db), *RUN_A)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["succeeded"] == 2
-    again = subprocess.run(
-        [ENVPORT, "run", "builtin:arithmetic", "--store", str(db), "--run-id", "a"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=ENV,
-    )
+    again = envport_cli("run", "builtin:arithmetic", "--store", str(db), "--run-id", "a")
     assert again.returncode == 2
     assert "--resume" in again.stderr
-    no_id = subprocess.run(
-        [ENVPORT, "run", "builtin:arithmetic", "--resume", "--store", str(db)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=ENV,
-    )
+    no_id = envport_cli("run", "builtin:arithmetic", "--resume", "--store", str(db), timeout=60)
     assert no_id.returncode == 2
     assert "--resume needs --run-id" in no_id.stderr
     with SQLiteTraceStore(db) as store:
@@ -149,12 +81,18 @@ def test_run_refuses_to_mix_runs_and_bad_input(tmp_path: Path) -> None:
 
 def test_ctrl_c_stops_every_server_and_says_how_to_resume(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
-    rows = [{"id": f"t{i}", "prompt": "sleep:5", "env_id": FAULTY} for i in range(4)]
+    # Steps far longer than the wait for the servers: on a loaded machine the run must not
+    # be able to finish (exit 0) before the Ctrl-C lands. Ctrl-C cuts the sleeps short.
+    rows = [{"id": f"t{i}", "prompt": "sleep:60", "env_id": FAULTY} for i in range(4)]
     tasks.write_text("".join(json.dumps(r) + "\n" for r in rows))
     db = tmp_path / "runs" / "t.db"
     state_dir = tmp_path / "runs" / "instances"
     proc = subprocess.Popen(
-        _argv(tasks, db), cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [ENVPORT, *_args(tasks, db)],
+        cwd=tmp_path,
+        env=CLI_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     try:
         deadline = time.monotonic() + 60

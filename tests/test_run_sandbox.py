@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,10 +29,8 @@ from envport.sandbox.mounts import mounted_under
 from envport.serving import free_port
 from envport.tasks import load
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
+from tests.support.cli import CLI_ENV, completed, envport_cli, kill_midway, run_args
 
-ROOT = Path(__file__).resolve().parent.parent
-ENVPORT = str(Path(sys.executable).parent / "envport")
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
 ISOLATION = probe()
 needs_sandbox = pytest.mark.skipif(
     not ISOLATION.isolated, reason=f"no sandbox isolation here: {ISOLATION.explain()}"
@@ -45,7 +42,7 @@ def model_url() -> Iterator[str]:
     """``python -m envport.policy.server``: the scripted stand-in, in its own process."""
     port = free_port()
     argv = [sys.executable, "-m", "envport.policy.server", "--port", str(port)]
-    server = subprocess.Popen(argv, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(argv, env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 30
@@ -65,30 +62,8 @@ def model_url() -> Iterator[str]:
             server.stderr.close()
 
 
-def _argv(db: Path, model: str, *extra: str) -> list[str]:
-    return [
-        ENVPORT,
-        "run",
-        "builtin:coding",
-        "--backend",
-        "sandbox",
-        "-c",
-        "2",
-        "--model",
-        model,
-        "--store",
-        str(db),
-        "--run-id",
-        "code",
-        *extra,
-    ]
-
-
-def _completed(db: Path) -> int:
-    if not db.exists():
-        return 0
-    with SQLiteTraceStore(db) as store:
-        return store.count(run_id="code", status="completed")
+def _args(db: Path, model: str, *extra: str) -> list[str]:
+    return run_args("builtin:coding", db, "code", "--backend", "sandbox", "--model", model, *extra)
 
 
 def _processes_under(path: Path) -> list[str]:
@@ -132,27 +107,11 @@ def test_sandboxed_coding_batch_killed_midway_and_resumed_runs_each_rollout_once
     tasks = {t.id: t for t in load("builtin:coding")}
     n = len(tasks)
     runtime = tmp_path / "rt"
-    env = {**ENV, "ENVPORT_SANDBOX_DIR": str(runtime)}
+    env = {**CLI_ENV, "ENVPORT_SANDBOX_DIR": str(runtime)}
     db = tmp_path / "runs" / "t.db"
 
-    first = subprocess.Popen(
-        _argv(db, model_url), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while _completed(db) < 3:
-            if first.poll() is not None:
-                stderr = first.stderr.read().decode() if first.stderr else ""
-                done = _completed(db)
-                pytest.fail(f"controller exited {first.returncode}, {done} done: {stderr}")
-            assert time.monotonic() < deadline, "the first controller made no progress"
-            time.sleep(0.05)
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
-        if first.stderr is not None:
-            first.stderr.close()
-    done_before = _completed(db)
+    first = kill_midway(_args(db, model_url), db, "code", env=env)
+    done_before = completed(db, "code")
     assert done_before < n, "killed too late to test a restart"
     # The killed controller's sandboxes died with it; their mounts and cgroups did not.
     deadline = time.monotonic() + 10
@@ -161,14 +120,7 @@ def test_sandboxed_coding_batch_killed_midway_and_resumed_runs_each_rollout_once
     assert _processes_under(runtime) == []
     assert mounted_under(runtime), "expected the killed controller's sandbox mounts"
 
-    second = subprocess.run(
-        _argv(db, model_url, "--resume", "--json"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    second = envport_cli(*_args(db, model_url, "--resume", "--json"), env=env)
     assert second.returncode == 0, second.stderr
     summary = json.loads(second.stdout)
     assert summary["rollouts"] == n
@@ -195,14 +147,7 @@ def test_sandboxed_coding_batch_killed_midway_and_resumed_runs_each_rollout_once
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [ENVPORT, "run", "builtin:arithmetic", "--limit", "1", *args],
-        env=env or ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return envport_cli("run", "builtin:arithmetic", "--limit", "1", *args, env=env, timeout=60)
 
 
 def test_ray_backend_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
@@ -222,7 +167,7 @@ def test_ray_backend_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> 
 
 def test_kubernetes_backend_without_a_kubeconfig_says_so(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    env = {**ENV, "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none.yaml")}
+    env = {**CLI_ENV, "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none.yaml")}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     missing = _run("--backend", "kubernetes", "--store", str(db), env=env)
     assert missing.returncode == 2
@@ -240,9 +185,7 @@ def test_kubernetes_backend_without_a_kubeconfig_says_so(tmp_path: Path) -> None
 
 
 def test_sandbox_backend_help_names_every_backend() -> None:
-    result = subprocess.run(
-        [ENVPORT, "run", "--help"], env=ENV, capture_output=True, text=True, check=False
-    )
+    result = envport_cli("run", "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     for word in ("inprocess", "local", "sandbox", "ray", "kubernetes", "--allow-unisolated"):
@@ -274,12 +217,10 @@ def _bin_without_bwrap(tmp_path: Path) -> str:
 
 
 def test_sandbox_backend_without_bwrap_says_so_and_how_to_fall_back(tmp_path: Path) -> None:
-    env = {**ENV, "PATH": _bin_without_bwrap(tmp_path)}
+    env = {**CLI_ENV, "PATH": _bin_without_bwrap(tmp_path)}
     db = tmp_path / "t.db"
     argv = ["builtin:coding", "--limit", "2", "--backend", "sandbox", "--store", str(db)]
-    refused = subprocess.run(
-        [ENVPORT, "run", *argv], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
+    refused = envport_cli("run", *argv, env=env, timeout=60)
     assert refused.returncode == 2
     text = " ".join(refused.stderr.split())
     assert "--backend sandbox cannot isolate environments here" in text
@@ -287,13 +228,13 @@ def test_sandbox_backend_without_bwrap_says_so_and_how_to_fall_back(tmp_path: Pa
     assert "--allow-unisolated" in text
     assert _count(db) == 0
 
-    fallback = subprocess.run(
-        [ENVPORT, "run", *argv, "--allow-unisolated", "--json"],
+    fallback = envport_cli(
+        "run",
+        *argv,
+        "--allow-unisolated",
+        "--json",
         env={**env, "ENVPORT_SANDBOX_DIR": str(tmp_path / "rt")},
-        capture_output=True,
-        text=True,
         timeout=90,
-        check=False,
     )
     assert fallback.returncode == 0, fallback.stderr
     assert "running environments as local processes" in " ".join(fallback.stderr.split())

@@ -19,6 +19,7 @@ from envport.rollout.backends.sandbox import SandboxBackend
 from envport.sandbox import probe
 from envport.sandbox.cgroups import own_cgroups
 from envport.sandbox.mounts import mounted_under
+from tests.support.backends import echo
 
 ISOLATION = probe()
 pytestmark = pytest.mark.skipif(
@@ -44,10 +45,7 @@ async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None
         assert instance.url.startswith("unix:/proc/")
         assert instance.start_latency_s is not None
         assert await backend.healthy(instance)
-        async with instance.client() as client:
-            await client.reset()
-            result = await client.step({"message": "hi"})
-            assert result.observation["echoed_message"] == "hi"
+        assert await echo(instance, "hi") == "hi"
         assert await backend.list({"run": "r1"}) == [instance]
         assert await backend.list({"run": "other"}) == []
         await backend.stop(instance)

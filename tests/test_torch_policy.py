@@ -23,17 +23,11 @@ from envport.policy.torch_policy import (
 from envport.serving import serve_in_thread
 from envport.train.grpo import token_logprobs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TOK = ByteTokenizer()
 ASK = [{"role": "user", "content": "What is 3 + 4? Answer with a single number."}]
 SMALL = TinyConfig(d_model=32, n_layers=1, n_heads=2, max_len=96, seed=1)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def policy(seed: int = 1, **kwargs: Any) -> TorchPolicy:

@@ -44,6 +44,15 @@ def server_process(argv: Sequence[str], log: Path, *, timeout_s: float = 45.0) -
             proc.wait(10)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def openenv_echo_argv() -> list[str]:
     return [sys.executable, str(SUPPORT / "openenv_echo_server.py")]
 
