@@ -73,7 +73,6 @@ class FastWebSocket:
         self._messages: deque[str | bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._read_paused = False
-        self._close_timer: asyncio.TimerHandle | None = None
         self.closed = False  # no more messages will come (closed, failed or lost)
         self.close_code: int | None = None
 
@@ -109,7 +108,9 @@ class FastWebSocket:
         if self._protocol.close_sent or self._transport.is_closing():
             return
         self._send_close(code)
-        self._close_timer = self._loop.call_later(
+        # On the protocol, where uvicorn looks when the app returns: while it is set, the
+        # TCP connection stays open for the peer's echo instead of closing under it.
+        self._protocol.close_timer = self._loop.call_later(
             self._protocol.close_timeout, self._transport.close
         )
         if self._read_paused:  # read on, to see the peer's close frame
@@ -235,18 +236,20 @@ class FastWebSocket:
 
     def _end(self) -> None:
         self.closed = True
-        if self._close_timer is not None:
-            self._close_timer.cancel()
-            self._close_timer = None
+        timer = self._protocol.close_timer
+        if timer is not None:
+            timer.cancel()
+            self._protocol.close_timer = None
         self._transport.close()
         self._wake()
 
     def lost(self) -> None:
         """The TCP connection is gone."""
         self.closed = True
-        if self._close_timer is not None:
-            self._close_timer.cancel()
-            self._close_timer = None
+        timer = self._protocol.close_timer
+        if timer is not None:
+            timer.cancel()
+            self._protocol.close_timer = None
         self._wake()
 
     def _wake(self) -> None:
