@@ -9,6 +9,8 @@ Run from the repository root::
     .venv/bin/python bench/gateway_overhead.py --json out.json --markdown table.md
     .venv/bin/python bench/gateway_overhead.py --modes stream --upstream-delay-ms 20 \
         --targets direct,floor-raw,envport-base,envport --base-src OLD  # streams, A/B
+    .venv/bin/python bench/gateway_overhead.py --modes stream --upstream-delay-ms 20 \
+        --targets direct,floor-raw,envport --arrivals staggered  # spread-out arrivals
 
 One invocation starts, each in its own process, bound to 127.0.0.1 on free ports:
 
@@ -48,6 +50,15 @@ calls; ``+rollouts us/call`` adds what envport spends between rounds on the roll
 bookkeeping (finishing the last round's: building and storing their traces; creating
 the next), the CPU per call of the whole workload (one rollout per worker per round).
 
+Arrivals (``--arrivals``): ``lockstep`` (default) starts a level's ``c`` workers together
+in every round, and since every call takes as long, they stay together: at c=32 each
+call's TTFT measures a burst of 32 requests arriving at once, which any proxy on one core
+serves one after another. ``staggered`` starts each worker at its own random phase within
+one call's length (upstream delay + a stream's chunk gaps; fixed seed, same phases for
+every target, direct included) and it keeps that phase, so requests arrive spread out, as
+from independent agents. The phase sleeps count in each round's wall time for every
+target alike.
+
 Pinning (``--layout``; ``--no-pin`` to turn off): ``proxy-alone`` (default) gives the
 proxy under test CPUs 1.. and puts the client and the fake upstream (a gateway's outside
 world; a model server is on another machine in production) on CPU 0; ``client-alone``
@@ -67,6 +78,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -621,8 +633,15 @@ def _http_json(method: str, url: str, token: str | None, body: Any = None) -> An
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, targets: list[Target], orch_token: str) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        targets: list[Target],
+        orch_token: str,
+        delay_ms: float = 0.0,
+    ) -> None:
         self.args = args
+        self.delay_ms = delay_ms
         self.targets = targets
         self.orch = orch_token
         self.body = json.dumps(
@@ -641,6 +660,27 @@ class Bench:
         self.envport_live: dict[str, list[str]] = {}  # per envport target
         self.agl_ids: list[list[str]] = []
         self.round_no = 0
+        self._phases: dict[tuple[bool, int], list[float]] = {}
+
+    def phases(self, c: int, stream: bool) -> list[float]:
+        """Each worker's start offset in a round (s): all 0 for ``lockstep``; for
+        ``staggered``, a random phase within one call of the fake upstream (its delay,
+        plus the gaps between a stream's chunks), drawn once per level with a fixed seed
+        and the same for every target and round. A worker's calls follow one another,
+        so it keeps its offset; the workers' calls arrive spread over the call's length
+        instead of in one burst of ``c``."""
+        key = (stream, c)
+        if key not in self._phases:
+            args = self.args
+            span = self.delay_ms / 1e3
+            if stream:
+                span += args.stream_chunks * args.chunk_gap_ms / 1e3
+            if args.arrivals == "lockstep" or c == 1 or span <= 0:
+                self._phases[key] = [0.0] * c
+            else:
+                rng = random.Random(1000 * c + stream)
+                self._phases[key] = [rng.uniform(0.0, span) for _ in range(c)]
+        return self._phases[key]
 
     def _slots(self, t: Target, c: int) -> list[tuple[str, str]]:
         """(path, token) per worker for the next round."""
@@ -677,10 +717,13 @@ class Bench:
         lat = t.lat.setdefault(key, []) if key else []
         ttft = t.ttft.setdefault(key, []) if key else []
         left = [n]
+        phases = self.phases(c, stream)
 
         async def worker(w: int) -> None:
             conn = t.conns[w]
             path, token = slots[w]
+            if phases[w]:
+                await asyncio.sleep(phases[w])
             while left[0] > 0:
                 left[0] -= 1
                 try:
@@ -818,6 +861,7 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 "p99": pct(d, 99),
                 "tput": len(d) / direct.wall[key],
                 "ttft": pct(direct.ttft.get(key, []), 50),
+                "ttft99": pct(direct.ttft.get(key, []), 99),
             }
         for t in targets:
             xs = t.lat.get(key, [])
@@ -842,6 +886,7 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 row["tput_pct"] = 100 * row["rps"] / base["tput"]
                 if mode == "stream":
                     row["added_ttft_ms"] = row["ttft_p50_ms"] - base["ttft"] * 1e3
+                    row["added_ttft_p99_ms"] = row["ttft_p99_ms"] - base["ttft99"] * 1e3
             rows.append(row)
     # what each gateway costs above the bare pass-through proxy (the floor)
     for key in keys:
@@ -885,6 +930,8 @@ COLUMNS = [
     ("tput_pct", "% direct"),
     ("ttft_p50_ms", "TTFT p50 ms"),
     ("added_ttft_ms", "+TTFT ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("added_ttft_p99_ms", "+TTFT p99 ms"),
     ("cpu_us_per_call", "gw cpu us/call"),
     ("cpu_all_us_per_call", "+rollouts us/call"),
     ("over_floor_p50_ms", "p50 over floor ms"),
@@ -993,6 +1040,14 @@ def main() -> None:
     )
     p.add_argument("--stream-chunks", type=int, default=8)
     p.add_argument("--chunk-gap-ms", type=float, default=2.0)
+    p.add_argument(
+        "--arrivals",
+        choices=["lockstep", "staggered"],
+        default="lockstep",
+        help="lockstep: a level's workers start together (a burst of c requests at "
+        "once); staggered: each starts at its own random phase within one call's length "
+        "and keeps it (same phases for every target)",
+    )
     p.add_argument("--agl-python", default=str(AGL_VENV / "bin" / "python"))
     p.add_argument("--no-pin", action="store_true")
     p.add_argument("--layout", choices=["proxy-alone", "client-alone"], default="proxy-alone")
@@ -1043,7 +1098,8 @@ def main() -> None:
         title = (
             f"Gateway overhead: N={args.n}/target/level (stream {args.stream_n}), "
             f"upstream delay {delay:g} ms, {args.stream_chunks} chunks "
-            f"{args.chunk_gap_ms:g} ms apart, {ncpu} CPUs ({where if pin else 'unpinned'})"
+            f"{args.chunk_gap_ms:g} ms apart, {args.arrivals} arrivals, "
+            f"{ncpu} CPUs ({where if pin else 'unpinned'})"
             f", {elapsed:.0f} s"
         )
         print_table(rows, title)
@@ -1183,7 +1239,7 @@ def run_once(
             else:
                 raise SystemExit(f"unknown target {name!r}")
         print(f"servers up (logs in {logs}); measuring ...", file=sys.stderr)
-        bench = Bench(args, targets, orch)
+        bench = Bench(args, targets, orch, delay_ms)
         bench.agl_ids = agl_ids
         t0 = time.monotonic()
         asyncio.run(bench.run())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,12 +32,20 @@ from envport.gateway import (
     RetryPolicy,
     create_gateway_app,
 )
-from envport.gateway.capture import StreamAssembler, has_output
+from envport.gateway.capture import (
+    CallRecord,
+    IdSource,
+    Rollout,
+    RolloutInfo,
+    StreamAssembler,
+    has_output,
+    new_id,
+)
 from envport.gateway.http1 import Http1Pool, Timeouts
 from envport.gateway.upstream import client_timeout
 from envport.policy import ScriptedPolicy, create_policy_app
 from envport.serving import free_port, serve_in_thread
-from envport.trace import ErrorKind, ModelCall, SQLiteTraceStore, TraceStatus
+from envport.trace import ErrorKind, ModelCall, SQLiteTraceStore, TraceStatus, TraceStoreError
 
 GUESS_TOOL = {
     "type": "function",
@@ -478,6 +488,86 @@ async def test_slow_upstream_times_out_with_504(serve: Any, upstream: tuple[str,
     assert call.error is not None
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
     assert "timed out" in call.error.message
+
+
+async def test_the_call_budget_cuts_a_slow_upstream_before_its_read_timeout(
+    serve: Any, upstream: tuple[str, Any]
+) -> None:
+    # The budget (RetryPolicy.deadline_s) and the read timeout share one timer per try:
+    # an upstream slower than the budget fails the call at the budget (504), not after
+    # the 30 s read timeout, and no retry starts once the budget is spent.
+    retry = RetryPolicy(max_attempts=3, deadline_s=0.3, backoff_base_s=0.01)
+    served: Served = serve([upstream[0]], retry=retry, timeout=httpx.Timeout(30))
+    ro = await served.rollout()
+    upstream[1].state.faults.push("slow:1", times=3)
+    async with served.client(ro) as client:
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model="m", messages=ASK, stream=True)
+    assert info.value.status_code == 504
+    [call] = await served.calls(ro["rollout_id"])
+    stats = await served.stats()
+    await served.admin.aclose()
+    assert call.attempts == 1
+    assert call.streamed
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "timed out" in call.error.message
+    assert "deadline" in call.error.message
+    assert stats["in_flight"] == 0
+
+
+def test_call_and_rollout_ids_are_unique_within_and_across_processes(tmp_path: Path) -> None:
+    ids = [new_id() for _ in range(1000)]
+    assert len(set(ids)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert CallRecord("chat.completions", {}, {}, None).call_id != ids[-1]
+    # A restarted gateway is a new process: its ids start with another prefix.
+    script = "from envport.gateway.capture import new_id; print(new_id())"
+    others = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert len({others[0][:20], others[1][:20], ids[0][:20]}) == 3
+    source = IdSource()
+    first = source()
+    source.reseed()  # what a forked child does
+    assert source()[:20] != first[:20]
+
+
+async def test_a_rollout_is_built_a_slice_at_a_time_in_order() -> None:
+    # Building the records of a long rollout (at finish) gives the event loop a turn
+    # between slices, so the streams it relays meanwhile are not held up by it.
+    rollout = Rollout("r1", RolloutInfo(), None)
+    for i in range(50):
+        record = CallRecord("chat.completions", {"model": "m"}, {"model": "m"}, None, streamed=True)
+        record.raw_chunks = [
+            orjson.dumps({"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}),
+            orjson.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+        ]
+        rollout.add(record, "chat.completions", f"d{i}", 0)
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0)
+    before = turns
+    calls = await rollout.build(slice_s=0.0)  # a pause after every record
+    task.cancel()
+    await asyncio.wait([task])
+    assert turns - before >= 49
+    assert [c.response["choices"][0]["message"]["content"] for c in calls] == [
+        f"t{i}" for i in range(50)
+    ]
+    assert [c.choices[0].finish_reason for c in calls] == ["stop"] * 50
+    assert not rollout._pending
+    assert rollout.calls == calls
 
 
 async def test_invalid_json_from_upstream_is_502(gw: Served, upstream: tuple[str, Any]) -> None:
@@ -1124,6 +1214,37 @@ async def test_a_restarted_gateway_takes_back_its_live_rollouts(
         [trace] = store.query(task_id="t-restart")
     assert len(trace.model_calls) == 1
     assert any("restarted" in e.message for e in trace.errors)
+
+
+async def test_a_rollout_opened_on_the_loop_is_registered_or_not_kept(
+    upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    # POST /admin/rollouts writes the restart registration in a worker thread; it is in
+    # the file once the grant is returned, and a failed write leaves nothing behind.
+    path = tmp_path / "traces.db"
+    first = Gateway([upstream[0]], store=SQLiteTraceStore(path))
+    grant = await first.open_rollout(RolloutInfo(task_id="t-open"))
+    again = Gateway([upstream[0]], store=SQLiteTraceStore(path))
+    assert set(again.rollouts) == {grant.rollout_id}
+    assert again.rollouts[grant.rollout_id].info.task_id == "t-open"
+    for gw in (first, again):
+        await gw.aclose()
+        assert gw.store is not None
+        gw.store.store.close()
+
+    broken = Gateway([upstream[0]], store=SQLiteTraceStore(tmp_path / "broken.db"))
+    assert broken.registry is not None
+    broken.registry._conn.close()  # every registration write now fails
+    with pytest.raises(TraceStoreError, match="gateway rollouts"):
+        await broken.open_rollout(RolloutInfo(rollout_id="r-open"))
+    with pytest.raises(TraceStoreError, match="gateway rollouts"):
+        broken.create_rollout(RolloutInfo(rollout_id="r-create"))
+    assert broken.rollouts == {}
+    assert broken.tokens.digest_of("r-open") is None  # its token was revoked
+    assert broken.tokens.digest_of("r-create") is None
+    await broken.aclose()
+    assert broken.store is not None
+    broken.store.store.close()
 
 
 def _one_piece_upstream(tail: bytes) -> Starlette:

@@ -596,3 +596,61 @@ async def test_cancelling_a_reader_mid_body_is_a_cancellation_not_a_timeout() ->
         await asyncio.sleep(0.3)  # past the read timeout: no stray timer fires
         assert pool.idle_connections() == 0
         await pool.aclose()
+
+
+async def test_a_request_deadline_caps_the_wait_for_headers_and_the_body() -> None:
+    # One timer keeps both the read timeout and the request's deadline (the gateway's
+    # budget for a call): a server slower than the deadline but never idle longer than
+    # the read timeout is still cut at the deadline, for the headers as for the body.
+    async def silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    async def trickling(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        writer.write(JSON_HEAD + b"content-length: 100\r\n\r\n")
+        for _ in range(100):  # a byte every 50 ms: within the read timeout each time
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    loop = asyncio.get_running_loop()
+    pool = Http1Pool(Timeouts(connect=5, read=10))
+    async with serve(silent) as srv:
+        t0 = loop.time()
+        with pytest.raises(ReadTimeout, match="deadline"):
+            await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.2)
+        assert loop.time() - t0 < 5
+    async with serve(trickling) as srv:
+        t0 = loop.time()
+        response = await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.3)
+        with pytest.raises(ReadTimeout, match="deadline"):
+            await response.read(deadline=t0 + 0.3)
+        assert loop.time() - t0 < 5
+        assert pool.idle_connections() == 0  # a body cut short: its connection is dropped
+    await pool.aclose()
+
+
+async def test_a_cancelled_post_is_a_cancellation_and_leaves_no_timer() -> None:
+    async def silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    pool = Http1Pool(Timeouts(connect=5, read=0.2))
+    async with serve(silent) as srv:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        loop.call_later(0.05, task.cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await pool.post(srv.url, b"{}", HEADERS, deadline=loop.time() + 0.3)
+        task.uncancel()
+        await asyncio.sleep(0.4)  # past the read timeout and the deadline: no timer fires
+        assert pool.idle_connections() == 0
+    await pool.aclose()

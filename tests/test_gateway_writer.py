@@ -128,3 +128,38 @@ async def test_a_failed_write_fails_its_puts_and_the_writer_goes_on(tmp_path: Pa
 def test_max_batch_must_be_positive(tmp_path: Path) -> None:
     with SQLiteTraceStore(tmp_path / "t.db") as store, pytest.raises(ValueError, match="max_batch"):
         TraceWriter(store, max_batch=0)
+
+
+async def test_after_write_runs_in_the_worker_thread_once_the_batch_is_stored(
+    tmp_path: Path,
+) -> None:
+    store = SQLiteTraceStore(tmp_path / "t.db")
+    seen: list[tuple[list[str], set[str], bool]] = []
+
+    def after(traces: list[Trace]) -> None:
+        stored = _stored_ids(tmp_path / "t.db")  # already durable when it runs
+        seen.append(([t.rollout_id for t in traces], stored, threading.current_thread() is main))
+
+    main = threading.current_thread()
+    writer = TraceWriter(store, after_write=after)
+    await asyncio.gather(*(writer.put(t) for t in _traces(5)))
+    await writer.aclose()
+    store.close()
+    assert sorted(r for ids, _, _ in seen for r in ids) == [f"r{i}" for i in range(5)]
+    assert all(stored >= {f"t{ids[0][1:]}"} for ids, stored, _ in seen)
+    assert not any(on_loop for _, _, on_loop in seen)
+
+
+async def test_a_failing_after_write_fails_the_puts_of_its_batch(tmp_path: Path) -> None:
+    store = SQLiteTraceStore(tmp_path / "t.db")
+
+    def after(traces: list[Trace]) -> None:
+        raise TraceStoreError("registry is gone")
+
+    writer = TraceWriter(store, after_write=after)
+    [trace] = _traces(1)
+    with pytest.raises(TraceStoreError, match="registry is gone"):
+        await writer.put(trace)
+    await writer.aclose()
+    store.close()
+    assert _stored_ids(tmp_path / "t.db") == {"t0"}  # the trace itself was stored

@@ -55,7 +55,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
-from uuid import uuid4
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -78,6 +77,7 @@ from envport.gateway.capture import (
     RolloutView,
     has_output,
     model_provider_error,
+    new_id,
     request_digest,
 )
 from envport.gateway.errors import (
@@ -238,11 +238,16 @@ class Gateway:
             self.store = store
         else:
             self.store = AsyncTraceStore(store)
-        self.writer = TraceWriter(self.store.store) if self.store is not None else None
         self.registry: RolloutRegistry | None = None
         backing = self.store.store if self.store is not None else None
         if isinstance(backing, SQLiteTraceStore) and backing.path != ":memory:":
             self.registry = RolloutRegistry(backing.path)
+        self.writer: TraceWriter | None = None
+        if self.store is not None:
+            # A finished rollout's registration goes once its trace is stored, in the
+            # writer's thread (one transaction per batch), not on the event loop.
+            after = self._unregister if self.registry is not None else None
+            self.writer = TraceWriter(self.store.store, after_write=after)
         self.policy = policy or GatewayPolicy()
         self.gate = PauseGate(policy_version)
         self.token_ttl_s = token_ttl_s
@@ -291,8 +296,38 @@ class Gateway:
     # --- rollouts ---------------------------------------------------------------------
 
     def create_rollout(self, info: RolloutInfo | None = None) -> RolloutGrant:
+        """A new live rollout (registered in the SQLite file, if any, before it returns)."""
+        grant, registration = self._new_rollout(info)
+        if registration is not None and self.registry is not None:
+            try:
+                self.registry.add(registration)
+            except Exception:
+                self._drop_new(grant.rollout_id)
+                raise
+        return grant
+
+    async def open_rollout(self, info: RolloutInfo | None = None) -> RolloutGrant:
+        """:meth:`create_rollout` for the event loop (``POST /admin/rollouts``): the
+        registration is written in a worker thread, so the loop relaying streams never
+        waits on SQLite (whose write may wait for the trace writer's transaction on the
+        same file). If the caller is cancelled meanwhile, the write still completes and
+        the rollout stays, as the file says."""
+        grant, registration = self._new_rollout(info)
+        registry = self.registry
+        if registration is not None and registry is not None:
+            try:
+                await asyncio.shield(asyncio.to_thread(registry.add, registration))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._drop_new(grant.rollout_id)
+                raise
+        return grant
+
+    def _new_rollout(self, info: RolloutInfo | None) -> tuple[RolloutGrant, Registration | None]:
+        """Take the id, issue the agent's token, hold the rollout; and what to register."""
         info = info or RolloutInfo()
-        rollout_id = info.rollout_id or uuid4().hex
+        rollout_id = info.rollout_id or new_id()
         if rollout_id in self.rollouts or rollout_id in self._finished:
             raise RolloutConflictError(
                 f"Rollout {rollout_id!r} already exists; pick another id or omit it.",
@@ -301,20 +336,24 @@ class Gateway:
         ttl = info.ttl_s if info.ttl_s is not None else self.token_ttl_s
         token, grant = self.tokens.issue_agent(rollout_id, ttl)
         rollout = Rollout(rollout_id, info, grant.expires_at)
+        self.rollouts[rollout_id] = rollout
+        registration = None
         if self.registry is not None:
             digest = self.tokens.digest_of(rollout_id)
             assert digest is not None
-            self.registry.add(
-                Registration(
-                    rollout_id,
-                    digest,
-                    grant.expires_at,
-                    rollout.created_at.timestamp(),
-                    info.model_dump_json(),
-                )
+            registration = Registration(
+                rollout_id,
+                digest,
+                grant.expires_at,
+                rollout.created_at.timestamp(),
+                info.model_dump_json(),
             )
-        self.rollouts[rollout_id] = rollout
-        return RolloutGrant(rollout_id, token, grant.expires_at)
+        return RolloutGrant(rollout_id, token, grant.expires_at), registration
+
+    def _drop_new(self, rollout_id: str) -> None:
+        """Undo :meth:`_new_rollout` (its registration could not be written)."""
+        self.rollouts.pop(rollout_id, None)
+        self.tokens.revoke_rollout(rollout_id)
 
     def rollout(self, rollout_id: str) -> Rollout:
         """A live rollout; 410 if it was finished, 404 if it never was."""
@@ -350,11 +389,10 @@ class Gateway:
                     where="gateway",
                 )
             )
+        await rollout.build()  # a slice at a time: streams go on meanwhile
         trace = rollout.to_trace(finish or FinishRequest())
         if self.writer is not None:
-            await self.writer.put(trace)
-        if self.registry is not None:
-            self.registry.remove(rollout_id)
+            await self.writer.put(trace)  # stored, and unregistered (see _unregister)
         rollout.state = RolloutState.FINISHED
         del self.rollouts[rollout_id]
         self.pool.forget(rollout_id)
@@ -363,6 +401,13 @@ class Gateway:
             self._finished.popitem(last=False)
         self.counters["rollouts_finished"] += 1
         return trace
+
+    def _unregister(self, traces: list[Trace]) -> None:
+        """In the trace writer's thread, after ``traces`` were stored: their rollouts are
+        no longer live, so a restarted gateway must not take them back."""
+        registry = self.registry
+        if registry is not None:
+            registry.remove_many([t.rollout_id for t in traces])
 
     async def finished_trace(self, rollout_id: str) -> Trace | None:
         trace = self._finished.get(rollout_id)
@@ -784,7 +829,13 @@ class _Relay:
                 )
             self._record()
         try:
-            await asyncio.wait([watcher])
+            if not watcher.done():  # cancelled above: it ends at the loop's next turn
+                with contextlib.suppress(Exception):  # a failed receive() was heard as such
+                    try:
+                        await watcher
+                    except asyncio.CancelledError:
+                        if task.cancelling():  # this task was cancelled too, not just it
+                            raise
             if not client_gone and not self._ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -950,7 +1001,7 @@ class _Admin:
     async def create_rollout(self, request: Request) -> Response:
         self._orchestrator(request, "Creating a rollout")
         info = _validated(RolloutInfo, await _optional_body(request))
-        grant = self.gw.create_rollout(info)
+        grant = await self.gw.open_rollout(info)
         public = self.gw.public_url or str(request.base_url)
         return JSONResponse(grant.urls(public), status_code=201)
 
@@ -974,6 +1025,7 @@ class _Admin:
         live = self.gw.rollouts.get(rollout_id)
         if live is not None:
             assigned = self.gw.pool.assigned(rollout_id)
+            await live.build()  # a slice at a time: streams go on meanwhile
             return _json(live.view(assigned.base_url if assigned else None))
         trace = await self.gw.finished_trace(rollout_id)
         if trace is None:

@@ -31,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import itertools
+import os
 import time
-import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -377,6 +378,31 @@ def model_provider_error(message: str, *, type: str, retryable: bool = False) ->
     )
 
 
+class IdSource:
+    """Unique 32-hex-digit ids, cheaply: a random prefix drawn once per process (80 bits
+    from ``os.urandom``) and a counter. Ids from different processes (a restarted
+    gateway, a forked child: the prefix is drawn again after a fork) differ by their
+    prefix; within one, by the counter. A ``uuid4`` costs ten times as much, on every
+    model call."""
+
+    __slots__ = ("_count", "_prefix")
+
+    def __init__(self) -> None:
+        self.reseed()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self._prefix = os.urandom(10).hex()
+        self._count = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self._prefix}{next(self._count):012x}"
+
+
+new_id = IdSource()
+
+
 @dataclasses.dataclass
 class CallRecord:
     """What the gateway collects while a call runs; :meth:`build` makes the ModelCall.
@@ -402,7 +428,7 @@ class CallRecord:
     status: int | None = None
     ttft_s: float | None = None
     error: TraceError | None = None
-    call_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    call_id: str = dataclasses.field(default_factory=new_id)
     raw_chunks: list[bytes] | None = None  # a stream's chunks (JSON objects), unparsed
     latency_s: float | None = None
 
@@ -528,6 +554,9 @@ class RolloutView(BaseModel):
     trace_id: str | None = None
 
 
+BUILD_SLICE_S = 0.001  # the longest :meth:`Rollout.build` runs without a pause
+
+
 def request_digest(raw: bytes) -> str:
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
@@ -578,6 +607,22 @@ class Rollout:
             pending, self._pending = self._pending, []
             for record, parse_api, digest, client_retry in pending:
                 self.record(record.build(parse_api), digest, client_retry)
+        return self._calls
+
+    async def build(self, slice_s: float = BUILD_SLICE_S) -> list[ModelCall]:
+        """:attr:`calls`, built a slice at a time: after each ``slice_s`` of building,
+        the event loop gets a turn, so streams relayed meanwhile wait for at most one
+        slice instead of the whole rollout (a streamed call with logprobs takes about
+        0.15 ms to build; a rollout can hold hundreds)."""
+        while self._pending:
+            until = time.perf_counter() + slice_s
+            while True:  # at least one record per slice
+                record, parse_api, digest, client_retry = self._pending.pop(0)
+                self.record(record.build(parse_api), digest, client_retry)
+                if not self._pending or time.perf_counter() >= until:
+                    break
+            if self._pending:
+                await asyncio.sleep(0)
         return self._calls
 
     def record(self, call: ModelCall, digest: str, client_retry: int) -> ModelCall:

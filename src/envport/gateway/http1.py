@@ -81,19 +81,35 @@ _CUT = "the server closed the connection before the answer was complete"
 
 
 class _ReadDeadline:
-    """A read timeout for a whole body that sets no timer per read.
+    """A read timeout for a whole answer that sets no timer per read.
 
     Each read notes its deadline (:meth:`arm`) and clears it when it returns
     (:meth:`disarm`); one timer, moved on only when it fires early, cancels the reading
     task when a read has waited past its deadline, and :meth:`expired` turns that
     cancellation into :class:`TimeoutError`. Time spent between reads (the reader
     passing a piece on) does not count, as with a timeout around each read.
+
+    ``until`` (loop time) caps every read's deadline: the whole request's deadline (the
+    gateway's budget for a call), kept by the same timer, so a call needs no timeout
+    scope of its own; :attr:`capped` tells which of the two ran out.
     """
 
-    __slots__ = ("_cancelling", "_deadline", "_fired", "_handle", "_loop", "_task", "timeout")
+    __slots__ = (
+        "_cancelling",
+        "_deadline",
+        "_fired",
+        "_handle",
+        "_loop",
+        "_task",
+        "capped",
+        "timeout",
+        "until",
+    )
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, until: float | None = None) -> None:
         self.timeout = timeout  # None: no timeout
+        self.until = until  # None: no cap
+        self.capped = False  # the cap, not the read timeout, ran out
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task[Any] | None = None
         self._deadline: float | None = None
@@ -103,12 +119,19 @@ class _ReadDeadline:
 
     def arm(self) -> None:
         """A read starts now."""
+        until = self.until
         if self.timeout is None:
-            return
+            if until is None:
+                return
+            deadline = until
+        else:
+            deadline = self._loop.time() + self.timeout
+            if until is not None and until < deadline:
+                deadline = until
         self._task = task = asyncio.current_task()
         assert task is not None
         self._cancelling = task.cancelling()
-        self._deadline = deadline = self._loop.time() + self.timeout
+        self._deadline = deadline
         if self._handle is None:
             self._handle = self._loop.call_at(deadline, self._check)
 
@@ -139,7 +162,20 @@ class _ReadDeadline:
             self._handle = self._loop.call_at(deadline, self._check)
             return
         self._fired = True
+        self.capped = deadline == self.until
         self._task.cancel()
+
+    async def read(self, reader: asyncio.StreamReader, n: int) -> bytes:
+        """``reader.read(n)`` under this deadline (TimeoutError when it runs out)."""
+        self.arm()
+        try:
+            return await reader.read(n)
+        except asyncio.CancelledError:
+            if self.expired():
+                raise TimeoutError from None
+            raise
+        finally:
+            self.disarm()
 
 
 class _Connection:
@@ -213,17 +249,26 @@ class Http1Pool:
             self._targets[(url, headers)] = target
         return target
 
-    async def _connect(self, key: tuple[str, str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, str, int], deadline: float | None) -> _Connection:
         scheme, host, port = key
         context: ssl_module.SSLContext | None = None
         if scheme == "https":
             context = self._ssl or ssl_module.create_default_context()
+        until = None
+        if self.timeouts.connect is not None:
+            until = asyncio.get_running_loop().time() + self.timeouts.connect
+        if deadline is not None and (until is None or deadline < until):
+            until = deadline
         try:
-            async with asyncio.timeout(self.timeouts.connect):
+            async with asyncio.timeout_at(until):
                 reader, writer = await asyncio.open_connection(
                     host, port, ssl=context, server_hostname=host if context else None
                 )
         except TimeoutError as exc:
+            if until is not None and until == deadline:
+                raise ConnectTimeout(
+                    f"no connection to {host}:{port} before the request's deadline"
+                ) from exc
             raise ConnectTimeout(
                 f"no connection to {host}:{port} within {self.timeouts.connect:g} s"
             ) from exc
@@ -263,8 +308,20 @@ class Http1Pool:
 
     # --- requests ---------------------------------------------------------------------
 
-    async def post(self, url: str, body: bytes, headers: Sequence[tuple[str, str]]) -> Response:
-        """POST ``body``; returns once the status line and headers arrived."""
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: Sequence[tuple[str, str]],
+        *,
+        deadline: float | None = None,
+    ) -> Response:
+        """POST ``body``; returns once the status line and headers arrived.
+
+        ``deadline`` (event-loop time) caps the whole request: connecting, waiting for
+        the answer and, for :meth:`Response.read`, its body; past it, :class:`ReadTimeout`
+        (or :class:`ConnectTimeout`). One timer keeps it and the read timeout together.
+        """
         if self.closed:
             raise ConnectError("the HTTP client is closed")
         target = self._target(url, tuple(headers))
@@ -273,10 +330,10 @@ class Http1Pool:
         reused = conn is not None
         while True:
             if conn is None:
-                conn = await self._connect(target.key)
+                conn = await self._connect(target.key, deadline)
             try:
                 conn.writer.write(request)
-                return await self._answer(conn)
+                return await self._answer(conn, deadline)
             except _Stale:
                 conn.close()
                 if not reused:
@@ -286,30 +343,40 @@ class Http1Pool:
                 conn.close()
                 raise
 
-    async def _answer(self, conn: _Connection) -> Response:
+    async def _answer(self, conn: _Connection, deadline: float | None) -> Response:
         reader = conn.reader
-        while True:
-            try:
-                async with asyncio.timeout(self.timeouts.read):
+        timer = _ReadDeadline(self.timeouts.read, deadline)
+        try:
+            while True:
+                timer.arm()
+                try:
                     raw = await reader.readuntil(b"\r\n\r\n")
-            except TimeoutError as exc:
-                raise ReadTimeout(
-                    f"no answer within the read timeout ({self.timeouts.read:g} s)"
-                ) from exc
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    raise _Stale from exc
-                raise RemoteProtocolError(f"{_CUT} (headers cut short)") from exc
-            except asyncio.LimitOverrunError as exc:
-                raise RemoteProtocolError("the answer's headers are too large") from exc
-            except OSError as exc:
-                if isinstance(exc, ConnectionResetError | BrokenPipeError):
-                    raise _Stale from exc
-                raise ReadError(f"reading the answer failed: {exc}") from exc
-            status, version, headers = _parse_head(raw)
-            if status >= 200:
-                return Response(self, conn, status, version, headers)
-            # 1xx informational: the real answer follows
+                except asyncio.CancelledError:
+                    if not timer.expired():
+                        raise
+                    if timer.capped:
+                        raise ReadTimeout("no answer before the request's deadline") from None
+                    raise ReadTimeout(
+                        f"no answer within the read timeout ({self.timeouts.read:g} s)"
+                    ) from None
+                except asyncio.IncompleteReadError as exc:
+                    if not exc.partial:
+                        raise _Stale from exc
+                    raise RemoteProtocolError(f"{_CUT} (headers cut short)") from exc
+                except asyncio.LimitOverrunError as exc:
+                    raise RemoteProtocolError("the answer's headers are too large") from exc
+                except OSError as exc:
+                    if isinstance(exc, ConnectionResetError | BrokenPipeError):
+                        raise _Stale from exc
+                    raise ReadError(f"reading the answer failed: {exc}") from exc
+                finally:
+                    timer.disarm()
+                status, version, headers = _parse_head(raw)
+                if status >= 200:
+                    return Response(self, conn, status, version, headers)
+                # 1xx informational: the real answer follows
+        finally:
+            timer.close()
 
 
 class _Stale(Exception):
@@ -387,21 +454,25 @@ class Response:
         """Whether the body was read to its end."""
         return self._eof
 
-    async def read(self) -> bytes:
-        """The whole body (decoded)."""
-        parts = [piece async for piece in self.chunks(batch=True)]
+    async def read(self, *, deadline: float | None = None) -> bytes:
+        """The whole body (decoded); ``deadline`` (loop time) as for :meth:`chunks`."""
+        parts = [piece async for piece in self.chunks(batch=True, deadline=deadline)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def chunks(self, *, batch: bool = False) -> AsyncGenerator[bytes, None]:
+    async def chunks(
+        self, *, batch: bool = False, deadline: float | None = None
+    ) -> AsyncGenerator[bytes, None]:
         """The body, decoded, piece by piece as it arrives. A chunked body comes one
-        piece per chunk, or with ``batch`` all the chunks of one read as one piece."""
+        piece per chunk, or with ``batch`` all the chunks of one read as one piece.
+        A read still waiting at ``deadline`` (event-loop time) fails with
+        :class:`ReadTimeout`, as one waiting longer than the read timeout does."""
         if self._eof:
             return
         if self._conn is None:
             raise ReadError("the response was closed before its body was read")
         decoder = self._decoder
         try:
-            async with contextlib.aclosing(self._raw(batch)) as raw:
+            async with contextlib.aclosing(self._raw(batch, deadline)) as raw:
                 async for piece in raw:
                     if decoder is not None:
                         piece = decoder.decompress(piece)
@@ -419,7 +490,7 @@ class Response:
             raise
         self._finish()
 
-    async def _raw(self, batch: bool) -> AsyncGenerator[bytes, None]:
+    async def _raw(self, batch: bool, until: float | None) -> AsyncGenerator[bytes, None]:
         assert self._conn is not None
         reader = self._conn.reader
         timeout = self._pool.timeouts.read
@@ -427,12 +498,12 @@ class Response:
         try:
             if self._body_read:
                 return
+            deadline = _ReadDeadline(timeout, until)
             if self._chunked:
                 # Every chunk already received goes out in one piece per read (one read,
                 # one timeout): a stream whose events arrive faster than they are relayed
                 # is passed on in fewer, larger pieces. What was read and not yet passed
                 # on is kept on the response, for a reader that stops and reads on later.
-                deadline = _ReadDeadline(timeout)
                 buf = self._pending
                 pos = 0  # start of the next chunk's size line in buf
                 trailers = self._trailers  # the last chunk was seen: skip to an empty line
@@ -480,15 +551,7 @@ class Response:
                     if out:
                         yield out[0] if len(out) == 1 else b"".join(out)
                         buf = self._pending
-                    deadline.arm()
-                    try:
-                        data = await reader.read(1 << 16)
-                    except asyncio.CancelledError:
-                        if deadline.expired():
-                            raise TimeoutError from None
-                        raise
-                    finally:
-                        deadline.disarm()
+                    data = await deadline.read(reader, 1 << 16)
                     if not data:
                         if trailers:
                             return  # the server closed after the last chunk, before the end
@@ -497,8 +560,7 @@ class Response:
                     buf = self._pending = buf + data if buf else data
             elif self._length is not None:
                 while self._left > 0:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(min(self._left, 1 << 16))
+                    data = await deadline.read(reader, min(self._left, 1 << 16))
                     if not data:
                         raise RemoteProtocolError(
                             f"{_CUT} ({self._length - self._left} of {self._length} body bytes)"
@@ -507,12 +569,13 @@ class Response:
                     yield data
             else:
                 while True:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(1 << 16)
+                    data = await deadline.read(reader, 1 << 16)
                     if not data:
                         return
                     yield data
         except TimeoutError as exc:
+            if deadline is not None and deadline.capped:
+                raise ReadTimeout("the answer did not end before the request's deadline") from exc
             raise ReadTimeout(f"the answer stalled for the read timeout ({timeout:g} s)") from exc
         except asyncio.IncompleteReadError as exc:
             raise RemoteProtocolError(f"{_CUT} (in a chunk)") from exc

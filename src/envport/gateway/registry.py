@@ -11,7 +11,9 @@ What is not kept: the calls recorded before the restart (they lived in memory). 
 rollout taken back says so: it carries an ``infrastructure`` error naming the restart,
 so its trace is not mistaken for a complete one.
 
-Writes happen on the admin path (creating and finishing rollouts), never on a model call.
+Writes happen on the admin path, never on a model call: creating a rollout writes its
+row on the event loop; finishing deletes it in the trace writer's thread, with the
+other rollouts whose traces were stored in the same batch.
 """
 
 from __future__ import annotations
@@ -69,6 +71,20 @@ class RolloutRegistry:
 
     def remove(self, rollout_id: str) -> None:
         self._write("DELETE FROM gateway_rollouts WHERE rollout_id = ?", (rollout_id,))
+
+    def remove_many(self, rollout_ids: list[str]) -> None:
+        """Delete several registrations in one transaction."""
+        with self._lock:
+            try:
+                with self._conn:
+                    self._conn.executemany(
+                        "DELETE FROM gateway_rollouts WHERE rollout_id = ?",
+                        [(rid,) for rid in rollout_ids],
+                    )
+            except sqlite3.Error as exc:
+                raise TraceStoreError(
+                    f"writing gateway rollouts to {self.path!r} failed: {exc}"
+                ) from exc
 
     def live(self, now: float | None = None) -> list[Registration]:
         """The registrations whose token has not expired (expired ones are deleted)."""

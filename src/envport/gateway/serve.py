@@ -44,6 +44,9 @@ def build_gateway(
     )
 
 
+SWITCH_INTERVAL_S = 0.0005
+
+
 def serve_gateway(
     upstreams: Sequence[str],
     *,
@@ -85,6 +88,11 @@ def serve_gateway(
     # scan only what serving creates.
     gc.collect()
     gc.freeze()
+    # The trace writer's thread serializes traces while holding the GIL; when the event
+    # loop wants it back it waits up to the switch interval (5 ms by default), which a
+    # stream's next event would wait too. 0.5 ms bounds that wait; with one busy thread
+    # besides the loop, the extra switches cost next to nothing.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         uvicorn.run(
             app,

@@ -327,12 +327,17 @@ class UpstreamPool:
     async def _try(
         self, upstream: Upstream, path: str, body: bytes, stream: bool, remaining: float
     ) -> tuple[Response, bytes]:
-        """One POST: the response, and its body unless streaming (then ``b""``)."""
-        async with asyncio.timeout(remaining):
-            response = await self.client.post(upstream.url(path), body, self._headers)
-            if stream and response.status < 400:
-                return response, b""
-            content = await response.read()  # closes the connection if it fails
+        """One POST: the response, and its body unless streaming (then ``b""``).
+
+        ``remaining`` bounds the try up to its answer's headers (a stream) or its whole
+        body; the client keeps it with the same timer as its read timeout."""
+        deadline = asyncio.get_running_loop().time() + remaining
+        response = await self.client.post(
+            upstream.url(path), body, self._headers, deadline=deadline
+        )
+        if stream and response.status < 400:
+            return response, b""
+        content = await response.read(deadline=deadline)  # closes the connection if it fails
         return response, content
 
     def stats(self) -> list[dict[str, Any]]:

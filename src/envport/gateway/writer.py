@@ -10,12 +10,18 @@ Nothing is lost on shutdown: :meth:`TraceWriter.aclose` (the gateway's lifespan 
 it) writes everything still queued before it returns; a trace submitted after that is
 refused with :class:`~envport.trace.TraceStoreError`. A failed write fails the
 ``put`` of every trace in its batch, with the store's error.
+
+``after_write`` runs in the same worker thread right after each batch is stored, and
+a ``put`` resolves only once it returned: the gateway deletes the finished rollouts'
+restart registrations there, in one transaction per batch, so that SQLite write (which
+may wait for the store's own transaction on the same file) never blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from envport.trace.errors import TraceStoreError
 from envport.trace.model import Trace
@@ -29,11 +35,18 @@ class TraceWriter:
     writer, and :meth:`aclose` awaits it.
     """
 
-    def __init__(self, store: TraceStore, *, max_batch: int = 256) -> None:
+    def __init__(
+        self,
+        store: TraceStore,
+        *,
+        max_batch: int = 256,
+        after_write: Callable[[list[Trace]], None] | None = None,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch}")
         self.store = store
         self.max_batch = max_batch
+        self.after_write = after_write
         self.batches = 0
         self.written = 0
         self._queue: list[tuple[Trace, asyncio.Future[None]]] = []
@@ -70,7 +83,7 @@ class TraceWriter:
             del self._queue[: self.max_batch]
             traces = [trace for trace, _ in batch]
             try:
-                await asyncio.to_thread(self.store.put_many, traces)
+                await asyncio.to_thread(self._write, traces)
             except Exception as exc:
                 for _, future in batch:
                     if not future.done():
@@ -81,6 +94,12 @@ class TraceWriter:
             for _, future in batch:
                 if not future.done():
                     future.set_result(None)
+
+    def _write(self, traces: list[Trace]) -> None:
+        """In the worker thread: store the batch, then run ``after_write`` on it."""
+        self.store.put_many(traces)
+        if self.after_write is not None:
+            self.after_write(traces)
 
     async def flush(self) -> None:
         """Wait until everything queued so far is written (or failed)."""
