@@ -82,8 +82,11 @@ async def serve(handler: Handler) -> AsyncIterator[Server]:
         await server.wait_closed()
 
 
-def answering(*answers: bytes, state: list[Server] | None = None) -> Handler:
-    """A keep-alive handler that answers the n-th request on a connection with answers[n]."""
+def answering(*answers: bytes, state: list[Server] | None = None, close: bool = False) -> Handler:
+    """A keep-alive handler that answers the n-th request on a connection with answers[n].
+
+    Then it holds the connection until the client closes it, or with ``close`` closes it.
+    """
 
     async def handler(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
@@ -94,7 +97,8 @@ def answering(*answers: bytes, state: list[Server] | None = None) -> Handler:
                 return
             writer.write(answer)
             await writer.drain()
-        await reader.read()  # hold the connection open until the client closes it
+        if not close:
+            await reader.read()  # hold the connection open until the client closes it
 
     return handler
 
@@ -170,14 +174,7 @@ async def test_chunked_streams_arrive_piece_by_piece() -> None:
 
 
 async def test_a_body_that_ends_with_the_connection_is_read_and_not_reused() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
-        await writer.drain()
-
-    async with serve(handler) as srv:
+    async with serve(answering(b"HTTP/1.0 200 OK\r\n\r\nall of it", close=True)) as srv:
         pool = Http1Pool()
         response = await pool.post(srv.url, b"{}", HEADERS)
         assert await response.read() == b"all of it"
@@ -270,14 +267,7 @@ async def test_no_answer_on_a_new_connection_is_an_error() -> None:
     ],
 )
 async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message: str) -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-
-    async with serve(handler) as srv:
+    async with serve(answering(answer, close=True)) as srv:
         pool = Http1Pool()
         response = await pool.post(srv.url, b"{}", HEADERS)
         with pytest.raises(RemoteProtocolError, match=message):
@@ -296,14 +286,7 @@ async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message:
     ],
 )
 async def test_an_answer_that_is_not_http_is_an_error(answer: bytes, message: str) -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(answer)
-        await writer.drain()
-
-    async with serve(handler) as srv:
+    async with serve(answering(answer, close=True)) as srv:
         pool = Http1Pool()
         with pytest.raises(RemoteProtocolError, match=message):
             await pool.post(srv.url, b"{}", HEADERS)
@@ -430,14 +413,10 @@ async def test_a_body_whose_end_came_with_the_last_piece_is_done_without_another
 
 
 async def test_a_drain_that_takes_too_long_closes_the_connection() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
-        await reader.read()  # the rest never comes
-
-    async with serve(handler) as srv:
+    # the rest never comes
+    async with serve(
+        answering(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+    ) as srv:
         pool = Http1Pool()
         response = await pool.post(srv.url, b"{}", HEADERS)
         async for _ in response.chunks():
@@ -486,14 +465,7 @@ async def test_batched_chunks_come_as_one_piece_per_read_and_the_rest_stays_read
 async def test_unbatched_chunks_read_together_still_come_one_piece_each() -> None:
     answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n2\r\nbc\r\n0\r\n\r\n"
 
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(answer)
-        await reader.read()
-
-    async with serve(handler) as srv:
+    async with serve(answering(answer)) as srv:
         pool = Http1Pool()
         response = await pool.post(srv.url, b"{}", HEADERS)
         assert [p async for p in response.chunks()] == [b"a", b"bc"]
@@ -502,14 +474,9 @@ async def test_unbatched_chunks_read_together_still_come_one_piece_each() -> Non
 
 
 async def test_an_endless_chunk_size_line_is_an_error() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 70000)
-        await reader.read()
-
-    async with serve(handler) as srv:
+    async with serve(
+        answering(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"1" * 70000)
+    ) as srv:
         pool = Http1Pool()
         response = await pool.post(srv.url, b"{}", HEADERS)
         with pytest.raises(RemoteProtocolError, match="chunk header line is too long"):
@@ -572,14 +539,9 @@ async def test_time_between_reads_does_not_count_against_the_read_timeout() -> N
 
 
 async def test_cancelling_a_reader_mid_body_is_a_cancellation_not_a_timeout() -> None:
-    async def handler(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
-    ) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
-        await reader.read()
-
-    async with serve(handler) as srv:
+    async with serve(
+        answering(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+    ) as srv:
         pool = Http1Pool(Timeouts(connect=5, read=0.2))
         response = await pool.post(srv.url, b"{}", HEADERS)
         got = asyncio.Event()
