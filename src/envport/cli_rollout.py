@@ -47,6 +47,7 @@ from envport.cli_runs import (
     StoreOpt,
     _fail,
     err,
+    load_tasks,
     local_scripted_model,
     out,
 )
@@ -167,19 +168,8 @@ def run_command(
     from envport.harness import AgentConfig
     from envport.rollout import ControllerConfig, RolloutSpec
     from envport.rollout.backends import BackendError
-    from envport.tasks import TasksetError, load
 
-    if resume and not run_id:
-        _fail("--resume needs --run-id (see `envport traces runs`).")
-    try:
-        tasks = load(taskset)
-        task_list = list(tasks.head(limit) if limit else tasks)
-    except (TasksetError, EnvportError, OSError, ValueError) as exc:
-        _fail(str(exc))
-        return
-    if not task_list:
-        _fail(f"{taskset} has no tasks.")
-    store.parent.mkdir(parents=True, exist_ok=True)
+    task_list = load_tasks(taskset, limit, resume=resume, run_id=run_id, store=store)
     run_id = run_id or uuid.uuid4().hex[:12]
     env_options: dict[str, dict[str, Any]] = {}
     local = (BackendName.INPROCESS, BackendName.LOCAL, BackendName.SANDBOX)

@@ -44,6 +44,26 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def load_tasks(
+    taskset: str, limit: int | None, *, resume: bool, run_id: str | None, store: Path
+) -> list[Any]:
+    """The tasks a run command works on; exits with a clear error on a bad taskset."""
+    from envport.tasks import TasksetError, load
+
+    if resume and not run_id:
+        _fail("--resume needs --run-id (see `envport traces runs`).")
+    try:
+        tasks = load(taskset)
+        task_list = list(tasks.head(limit) if limit else tasks)
+    except (TasksetError, EnvportError, OSError, ValueError) as exc:
+        _fail(str(exc))
+        raise  # unreachable: _fail exits
+    if not task_list:
+        _fail(f"{taskset} has no tasks.")
+    store.parent.mkdir(parents=True, exist_ok=True)
+    return task_list
+
+
 @contextmanager
 def local_scripted_model() -> Iterator[str]:
     """Start envport's scripted OpenAI-compatible server; yields its ``/v1`` base URL."""
@@ -105,19 +125,8 @@ def eval_command(
     from envport.evaluate import EvalConfig
     from envport.harness import AgentConfig
     from envport.report import summary_table
-    from envport.tasks import TasksetError, load
 
-    if resume and not run_id:
-        _fail("--resume needs --run-id (see `envport traces runs`).")
-    try:
-        tasks = load(taskset)
-        task_list = list(tasks.head(limit) if limit else tasks)
-    except (TasksetError, EnvportError, OSError, ValueError) as exc:
-        _fail(str(exc))
-        return
-    if not task_list:
-        _fail(f"{taskset} has no tasks.")
-    store.parent.mkdir(parents=True, exist_ok=True)
+    task_list = load_tasks(taskset, limit, resume=resume, run_id=run_id, store=store)
     with ExitStack() as stack:
         if model is None:
             model = stack.enter_context(local_scripted_model())

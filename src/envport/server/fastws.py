@@ -235,13 +235,8 @@ class FastWebSocket:
         self._protocol.close_sent = True
 
     def _end(self) -> None:
-        self.closed = True
-        timer = self._protocol.close_timer
-        if timer is not None:
-            timer.cancel()
-            self._protocol.close_timer = None
         self._transport.close()
-        self._wake()
+        self.lost()
 
     def lost(self) -> None:
         """The TCP connection is gone."""
