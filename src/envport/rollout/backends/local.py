@@ -274,15 +274,21 @@ def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any,
     return create_app(factory, config), config
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of one instance's server process."""
-    parser = argparse.ArgumentParser(prog="python -m envport.rollout.backends.local")
+def instance_parser(prog: str) -> argparse.ArgumentParser:
+    """The arguments every instance server process takes (env, sessions, options, id)."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("env", help="environment id or module:Class")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port-file", required=True, help="where to write the bound port")
     parser.add_argument("--sessions", type=int, default=1)
     parser.add_argument("--options", default="{}", help="JSON keyword arguments for the env")
     parser.add_argument("--instance-id", default="", help="names the process for re-adoption")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of one instance's server process."""
+    parser = instance_parser("python -m envport.rollout.backends.local")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port-file", required=True, help="where to write the bound port")
     args = parser.parse_args(argv)
 
     import socket

@@ -104,8 +104,8 @@ class _EnvServerActor:
     ) -> dict[str, Any]:
         import uvicorn
 
-        from envport.registry import spec
-        from envport.server import ServerConfig, create_app, uvicorn_config
+        from envport.rollout.backends.local import instance_app
+        from envport.server import uvicorn_config
         from envport.serving import free_port
 
         ray = _ray()
@@ -116,16 +116,7 @@ class _EnvServerActor:
             ray.util.get_node_ip_address(),
         )
         host = bind_host or node_ip
-        found = spec(env_id)
-        factory = found.load()
-        kwargs = {**found.kwargs, **options}
-
-        def make_env() -> Any:
-            return factory(**kwargs)
-
-        make_env.__name__ = found.id
-        config = ServerConfig(max_sessions=sessions)
-        app = create_app(make_env, config)
+        app, config = instance_app(env_id, sessions, options)
         port = free_port(host)
         self._server = uvicorn.Server(uvicorn_config(app, host=host, port=port, config=config))
         self._thread = threading.Thread(target=self._server.run, name="envport-ray", daemon=True)

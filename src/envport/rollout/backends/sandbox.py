@@ -18,7 +18,6 @@ live instances this backend object started.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -182,17 +181,14 @@ async def _health(instance: EnvInstance) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve one environment on a Unix socket (what ``envport serve`` does over TCP)."""
-    parser = argparse.ArgumentParser(prog="python -m envport.rollout.backends.sandbox")
-    parser.add_argument("env", help="environment id or module:Class")
+    from envport.rollout.backends.local import instance_app, instance_parser
+
+    parser = instance_parser("python -m envport.rollout.backends.sandbox")
     parser.add_argument("--uds", required=True, help="Unix socket path to listen on")
-    parser.add_argument("--sessions", type=int, default=1)
-    parser.add_argument("--options", default="{}", help="JSON keyword arguments for the env")
-    parser.add_argument("--instance-id", default="", help="names the process")
     args = parser.parse_args(argv)
 
     import uvicorn
 
-    from envport.rollout.backends.local import instance_app
     from envport.server import uvicorn_config
 
     app, config = instance_app(args.env, args.sessions, json.loads(args.options))
