@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envport.client import EnvClient
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
+from envport.procs import pid_alive
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
 from envport.rollout.pool import EnvPool, Lease, PoolClosedError
 from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
@@ -319,16 +320,6 @@ def _controller_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def _settle(job: asyncio.Task[None], client: EnvClient) -> None:
     """Cancel ``job``; if a call it is stuck in does not yield within a second, drop the
     environment connection under it so that its task group never waits forever."""
@@ -457,7 +448,7 @@ class Controller:
             owner = (rec.controller or "").split(":")
             if len(owner) == 3 and owner[0] == host and owner[1].isdigit():
                 pid = int(owner[1])
-                if pid != os.getpid() and _pid_alive(pid):
+                if pid != os.getpid() and pid_alive(pid):
                     raise ControllerConflictError(
                         f"run {self.run_id!r} is being driven by a live controller "
                         f"(pid {pid}); stop it first, or use another run id"

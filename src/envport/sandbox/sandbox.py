@@ -74,6 +74,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from envport.procs import pid_alive
 from envport.sandbox import mounts
 from envport.sandbox.cgroups import CgroupSet, own_cgroups
 from envport.sandbox.config import (
@@ -154,7 +155,7 @@ def cleanup_stale(runtime: Path | None = None) -> list[str]:
     entries = list(runtime.iterdir()) if runtime.is_dir() else []
     for entry in entries:
         owner = _owner(entry.name[1:])
-        if entry.name[:1] not in "SL" or owner is None or _alive(owner):
+        if entry.name[:1] not in "SL" or owner is None or pid_alive(owner):
             continue
         with contextlib.suppress(OSError):
             mounts.unmount_all(entry)
@@ -163,7 +164,7 @@ def cleanup_stale(runtime: Path | None = None) -> list[str]:
     for directory in own_cgroups().values():
         for group in directory.glob("envport-*"):
             owner = _owner(group.name[len("envport-") :])
-            if owner is not None and not _alive(owner):
+            if owner is not None and not pid_alive(owner):
                 with contextlib.suppress(OSError):
                     CgroupSet({"any": group}).remove(timeout_s=1.0)
                     removed.append(group.name)
@@ -173,16 +174,6 @@ def cleanup_stale(runtime: Path | None = None) -> list[str]:
 def _owner(name: str) -> int | None:
     pid, sep, _ = name.partition("-")
     return int(pid) if sep and pid.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclasses.dataclass

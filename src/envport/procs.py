@@ -1,0 +1,16 @@
+"""Process helpers shared across envport (controller leases, sandbox runtime dirs)."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
