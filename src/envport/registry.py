@@ -142,8 +142,15 @@ def resolve(
         found = spec(env)
         factory = found.load()
         kwargs = {**found.kwargs, **(options or {})}
-        return (lambda: factory(**kwargs)), found.id
+
+        def make() -> Env[Any, Any]:
+            return factory(**kwargs)
+
+        make.__name__ = found.id  # so that create_app(make) names the env by its id
+        return make, found.id
     name = getattr(env, "__name__", type(env).__name__)
     if options:
-        return functools.partial(env, **options), name
+        bound = functools.partial(env, **options)
+        bound.__name__ = name  # type: ignore[attr-defined]
+        return bound, name
     return env, name

@@ -14,7 +14,6 @@ Three ship with envport:
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -357,13 +356,10 @@ class InProcessTransport:
         options: Mapping[str, Any] | None = None,
     ) -> None:
         """``options`` are keyword arguments for the environment (over the registry's)."""
-        from envport.registry import resolve, spec
+        from envport.registry import resolve
         from envport.server.sessions import ServerConfig, SessionManager
 
-        factory, _ = resolve(env)
-        if options:
-            build = spec(env).make if isinstance(env, str) else env
-            factory = functools.partial(build, **options)
+        factory, _ = resolve(env, options)
         self._manager = SessionManager(factory, ServerConfig(call_timeout_s=call_timeout_s))
         self._conn: Any = None
 

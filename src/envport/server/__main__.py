@@ -28,8 +28,7 @@ def main() -> None:
         parser.error(f"--env-options is not JSON: {exc}")
     if not isinstance(options, dict):
         parser.error("--env-options must be a JSON object")
-    factory, name = resolve(args.env, options)
-    factory.__name__ = name
+    factory, _ = resolve(args.env, options)
     serve(
         factory,
         host=args.host,

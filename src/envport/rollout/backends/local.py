@@ -267,8 +267,7 @@ def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any,
     from envport.registry import resolve
     from envport.server import ServerConfig, create_app
 
-    factory, name = resolve(env, options)
-    factory.__name__ = name
+    factory, _ = resolve(env, options)
     # Room beyond the leased sessions for ones a dropped connection keeps for resume.
     config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
     return create_app(factory, config), config
