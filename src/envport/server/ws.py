@@ -95,7 +95,7 @@ async def serve_connection(manager: SessionManager, channel: Channel) -> None:
             else:
                 reply = await handle_frame(conn, frame)
             await channel.send(encode(reply))
-            if reply["type"] == "error" and _is_capacity_error(reply) and conn.primary is None:
+            if _is_capacity_error(reply) and conn.primary is None:
                 await channel.close(1000)
                 return
             if conn.closing:
@@ -112,4 +112,4 @@ websocket_endpoint = WebSocketEndpoint()
 
 
 def _is_capacity_error(reply: dict[str, Any]) -> bool:
-    return bool(reply["data"].get("code") == CapacityError.code)
+    return reply["type"] == "error" and reply["data"].get("code") == CapacityError.code
