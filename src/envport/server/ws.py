@@ -112,4 +112,4 @@ websocket_endpoint = WebSocketEndpoint()
 
 
 def _is_capacity_error(reply: dict[str, Any]) -> bool:
-    return reply["type"] == "error" and reply["data"].get("code") == CapacityError.code
+    return bool(reply["type"] == "error" and reply["data"].get("code") == CapacityError.code)
