@@ -8,6 +8,7 @@ keepalive pings, back-pressure, shutdown, and the fallback to the ASGI path.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -23,20 +24,24 @@ import pytest
 import uvicorn
 from websockets.sync.client import connect
 
+from envport.envs.echo import EchoAction, EchoEnv, EchoObservation
 from envport.server import ServerConfig, create_app, uvicorn_config
 from envport.server.fastws import EnvportWebSocketProtocol
 from envport.serving import free_port
+from envport.types import StepResult
 
 CONT, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
 
 
 @contextmanager
-def ws_server(config: ServerConfig | None = None, **uv: Any) -> Iterator[uvicorn.Server]:
-    """echo-v1 on uvicorn with envport's settings (``uv`` overrides uvicorn.Config fields)."""
+def ws_server(
+    config: ServerConfig | None = None, env: Any = "echo-v1", **uv: Any
+) -> Iterator[uvicorn.Server]:
+    """``env`` on uvicorn with envport's settings (``uv`` overrides uvicorn.Config fields)."""
     config = config or ServerConfig(max_frame_bytes=4096)
     port = free_port()
     uv_config = uvicorn_config(
-        create_app("echo-v1", config, mcp=False), host="127.0.0.1", port=port, config=config
+        create_app(env, config, mcp=False), host="127.0.0.1", port=port, config=config
     )
     for key, value in uv.items():
         setattr(uv_config, key, value)
@@ -337,3 +342,105 @@ def test_permessage_deflate_stays_on_the_asgi_path() -> None:
             reply = json.loads(client.recv(timeout=10))
             assert reply["data"]["observation"]["echoed_message"] == "zip"
             assert _fast_connections(server) == []
+
+
+# --- answers begun in the read callback (FastWebSocket._answer_eagerly) -------------------
+
+
+class TaskProbeEnv(EchoEnv):
+    """An echo whose steps show what they run as, and can wait or cancel themselves.
+
+    ``wait:S`` sleeps S seconds first; ``cancel-self`` cancels the current task and
+    catches the cancellation at its next await; ``timeout`` uses ``asyncio.timeout``
+    around a step that never suspends.
+    """
+
+    async def on_step(self, action: EchoAction) -> StepResult[EchoObservation]:
+        task = asyncio.current_task()
+        text = action.message
+        if text.startswith("wait:"):
+            await asyncio.sleep(float(text[5:]))
+            text = f"waited, same task: {asyncio.current_task() is task}"
+        elif text == "cancel-self":
+            assert task is not None
+            task.cancel()
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                task.uncancel()
+                text = "cancelled inside the step"
+            else:
+                text = "the cancellation went elsewhere"
+        elif text == "timeout":
+            async with asyncio.timeout(5):  # noqa: ASYNC100 - entering it needs a task
+                text = "timeout scope entered and left"
+        else:
+            text = f"{text} (in a task: {task is not None})"
+        return StepResult(observation=EchoObservation(echoed_message=text))
+
+
+@pytest.fixture(scope="module")
+def probe_server() -> Iterator[uvicorn.Server]:
+    with ws_server(env=TaskProbeEnv) as server:
+        yield server
+
+
+def _echo(ws: RawWS) -> str:
+    reply = ws.recv_json()
+    assert reply["type"] == "observation", reply
+    text: str = reply["data"]["observation"]["echoed_message"]
+    return text
+
+
+def test_a_step_answered_in_the_read_callback_runs_as_the_connection_task(
+    probe_server: uvicorn.Server,
+) -> None:
+    ws = RawWS(probe_server)
+    try:
+        ws.send_json({"type": "reset"})
+        ws.recv_json()
+        ws.send_json({"type": "step", "data": {"message": "plain"}})
+        assert _echo(ws) == "plain (in a task: True)"
+        ws.send_json({"type": "step", "data": {"message": "timeout"}})
+        assert _echo(ws) == "timeout scope entered and left"
+    finally:
+        ws.close()
+
+
+def test_a_step_that_waits_goes_on_in_the_task_and_later_frames_keep_their_order(
+    probe_server: uvicorn.Server,
+) -> None:
+    ws = RawWS(probe_server)
+    try:
+        ws.send_json({"type": "reset"})
+        ws.recv_json()
+        # Three frames in one write: the first begins at once and then waits; the other
+        # two arrive while it waits and are answered after it, in order.
+        ws.sock.sendall(
+            b"".join(
+                RawWS.frame(TEXT, json.dumps({"type": "step", "data": {"message": m}}).encode())
+                for m in ("wait:0.05", "second", "third")
+            )
+        )
+        assert _echo(ws) == "waited, same task: True"
+        assert _echo(ws) == "second (in a task: True)"
+        assert _echo(ws) == "third (in a task: True)"
+        ws.send_json({"type": "state"})
+        assert ws.recv_json()["data"]["step_count"] == 3
+    finally:
+        ws.close()
+
+
+def test_a_cancellation_aimed_at_a_step_begun_in_the_read_callback_lands_inside_it(
+    probe_server: uvicorn.Server,
+) -> None:
+    ws = RawWS(probe_server)
+    try:
+        ws.send_json({"type": "reset"})
+        ws.recv_json()
+        ws.send_json({"type": "step", "data": {"message": "cancel-self"}})
+        assert _echo(ws) == "cancelled inside the step"
+        ws.send_json({"type": "step", "data": {"message": "after"}})  # the connection lives on
+        assert _echo(ws) == "after (in a task: True)"
+    finally:
+        ws.close()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from envport.errors import EnvExecutionError, EnvNotResetError, EnvTimeoutError
-from envport.session import Session
+from envport.session import Session, _Turns
 from tests.support.faulty_envs import FaultyEnv, SyncBlockingEnv
 
 
@@ -104,3 +104,46 @@ async def test_a_cancelled_call_whose_cleanup_suspends_is_driven_to_its_end() ->
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cleaned == [True]
+
+
+async def test_concurrent_calls_of_one_session_run_one_at_a_time_in_arrival_order() -> None:
+    session = await _ready(FaultyEnv)
+    order: list[str] = []
+
+    async def step(message: str) -> None:
+        result = await session.step({"message": message})
+        order.append(result.observation.echoed_message)
+
+    # The first suspends while holding the turn; the others queue behind it, FIFO.
+    await asyncio.gather(step("sleep:0.05"), step("b"), step("c"), step("sleep:0.01"), step("e"))
+    assert order == ["sleep:0.05", "b", "c", "sleep:0.01", "e"]
+    assert (await session.state()).step_count == 5
+
+
+async def test_a_caller_cancelled_while_waiting_for_its_turn_leaves_the_queue() -> None:
+    session = await _ready(FaultyEnv)
+    first = asyncio.create_task(session.step({"message": "sleep:0.05"}))
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(session.step({"message": "never"}))
+    last = asyncio.create_task(session.step({"message": "last"}))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    assert (await first).observation.echoed_message == "sleep:0.05"
+    assert (await last).observation.echoed_message == "last"
+    assert waiting.cancelled()
+    assert (await session.state()).step_count == 2  # the cancelled call never ran
+
+
+async def test_a_caller_cancelled_just_as_it_is_handed_the_turn_passes_it_on() -> None:
+    turns = _Turns()
+    turns.busy = True  # someone holds the turn
+    handed = asyncio.create_task(turns.wait())
+    next_in_line = asyncio.create_task(turns.wait())
+    await asyncio.sleep(0)  # both wait
+    turns.release()  # hands the turn to `handed`...
+    handed.cancel()  # ...which is cancelled before it runs
+    await next_in_line  # so it goes on to the next waiter
+    assert handed.cancelled()
+    assert turns.busy
+    turns.release()
+    assert not turns.busy

@@ -127,8 +127,8 @@ class Env(Generic[ActT, ObsT]):
         return result
 
     async def step(self, action: ActT | AnyAction | dict[str, Any]) -> StepResult[Any]:
-        self._check_open()
-        if self.status is EnvStatus.NEW:
+        if self.status is not EnvStatus.RUNNING:
+            self._check_open()
             raise EnvNotResetError("step() called before reset(); call reset() first.")
         typed = self.parse_action(action)
         self.step_count += 1
@@ -136,7 +136,15 @@ class Env(Generic[ActT, ObsT]):
             return StepResult(observation=ListToolsObservation(tools=self.tool_specs()))
         if isinstance(typed, CallToolAction):
             return StepResult(observation=await self._tool_observation(typed))
-        return await self._run_hook(self.on_step, cast(ActT, typed))
+        hook = self.on_step
+        if not _is_async_hook(hook):
+            return await self._run_hook(hook, cast(ActT, typed))
+        try:  # an async hook, awaited here: _run_hook's path without its frame (hot path)
+            return await cast(Awaitable[StepResult[ObsT]], hook(cast(ActT, typed)))
+        except (EnvportError, NotImplementedError):
+            raise
+        except Exception as exc:
+            raise self._hook_error(exc) from exc
 
     async def state(self) -> State:
         self._check_open()
@@ -168,6 +176,12 @@ class Env(Generic[ActT, ObsT]):
 
     def parse_action(self, action: Any) -> AnyAction:
         """Turn a wire dict (or model) into the typed action, or raise a clear error."""
+        if type(action) is dict and "type" not in action:  # the common wire case, first
+            try:
+                validator = self.action_type.__pydantic_validator__
+                return cast(AnyAction, validator.validate_python(action))
+            except ValidationError:
+                pass  # the full path below explains it
         if isinstance(action, (self.action_type, ListToolsAction, CallToolAction)):
             return action
         if isinstance(action, BaseModel):
@@ -273,15 +287,16 @@ class Env(Generic[ActT, ObsT]):
             if inspect.isawaitable(value):
                 return await cast(Awaitable[T], value)
             return value
-        except EnvportError:
-            raise
-        except NotImplementedError:
+        except (EnvportError, NotImplementedError):
             raise
         except Exception as exc:
-            raise EnvExecutionError(
-                f"{type(self).__name__} raised {type(exc).__name__}: {exc}",
-                exception=type(exc).__name__,
-            ) from exc
+            raise self._hook_error(exc) from exc
+
+    def _hook_error(self, exc: Exception) -> EnvExecutionError:
+        return EnvExecutionError(
+            f"{type(self).__name__} raised {type(exc).__name__}: {exc}",
+            exception=type(exc).__name__,
+        )
 
 
 #: ``inspect.iscoroutinefunction`` per hook function, computed once (hot path).

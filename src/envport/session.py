@@ -17,11 +17,12 @@ import contextlib
 import enum
 import secrets
 import time
-import types
 import uuid
-from collections.abc import Callable, Coroutine, Generator
+from collections import deque
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from envport.coro import resume
 from envport.env import Env
 from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
 from envport.types import State, StepResult
@@ -30,31 +31,51 @@ T = TypeVar("T")
 EnvFactory = Callable[[], Env[Any, Any]]
 
 
-@types.coroutine
-def _resume(call: Coroutine[Any, Any, T], pending: Any) -> Generator[Any, Any, T]:
-    """Await ``call``, which already ran up to its first suspension (it yielded ``pending``).
+class _Turns:
+    """A FIFO mutex whose uncontended acquire is a flag, not a coroutine.
 
-    What ``await`` does for a fresh coroutine, picked up after the first ``send``: the
-    task's values and exceptions (a cancellation) go into ``call`` until it returns.
-    """
-    while True:
-        try:
-            value = yield pending
-        except GeneratorExit:
-            call.close()
-            raise
-        except BaseException as exc:  # thrown in by the task (a cancellation): pass it on
-            try:
-                pending = call.throw(exc)
-            except StopIteration as done:
-                result: T = done.value
-                return result
+    ``asyncio.Lock`` costs about a microsecond per ``async with`` even when free, and a
+    session's calls are almost never contended (one client, one frame in flight). Use::
+
+        if turns.busy:
+            await turns.wait()
         else:
-            try:
-                pending = call.send(value)
-            except StopIteration as done:
-                result = done.value
-                return result
+            turns.busy = True
+        try:
+            ...
+        finally:
+            turns.release()
+    """
+
+    __slots__ = ("_waiters", "busy")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def wait(self) -> None:
+        """Wait for the turn (call only while ``busy``); on return the caller holds it."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed the turn just as we were cancelled: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        """Hand the turn to the longest waiter (it stays ``busy``), or free it."""
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.busy = False
 
 
 class SessionStatus(enum.Enum):
@@ -78,41 +99,62 @@ class Session:
         self.attached = 0  # open connections using this session
         self.detached_at: float | None = None
         self.last_reply: tuple[Any, dict[str, Any]] | None = None  # (frame id, reply)
-        self._lock = asyncio.Lock()
+        self._turns = _Turns()
         self._abandoned: set[asyncio.Task[None]] = set()
 
     # --- the contract, guarded ---------------------------------------------------------
 
     async def reset(self, **kwargs: Any) -> StepResult[Any]:
-        async with self._lock:
+        await self._take_turn()
+        try:
             self._check_open()
             if self.status is SessionStatus.POISONED:
                 self.env = self.factory()
                 self.status = SessionStatus.ACTIVE
             return await self._guard("reset", self.env.reset(**kwargs))
+        finally:
+            self._turns.release()
 
     async def step(self, action: Any) -> StepResult[Any]:
-        async with self._lock:
-            self._check_usable()
+        # The hot path: the turn taken inline (see _take_turn).
+        turns = self._turns
+        if turns.busy:
+            await turns.wait()
+        else:
+            turns.busy = True
+        try:
+            if self.status is not SessionStatus.ACTIVE:
+                self._check_usable()
             return await self._guard("step", self.env.step(action))
+        finally:
+            turns.release()
 
     async def state(self) -> State:
-        async with self._lock:
+        await self._take_turn()
+        try:
             self._check_usable()
             return await self._guard("state", self.env.state())
+        finally:
+            self._turns.release()
 
     async def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        async with self._lock:
+        await self._take_turn()
+        try:
             self._check_usable()
             self.env.step_count += 1
             return await self._guard("call_tool", self.env.call_tool(name, arguments))
+        finally:
+            self._turns.release()
 
     async def close(self) -> None:
         if self.status is SessionStatus.CLOSED:
             return
         self.status = SessionStatus.CLOSED
-        async with self._lock:
+        await self._take_turn()
+        try:
             await self._close_env(self.env)
+        finally:
+            self._turns.release()
         if self._abandoned:
             await asyncio.gather(*self._abandoned, return_exceptions=True)
 
@@ -135,6 +177,14 @@ class Session:
     def closed(self) -> bool:
         return self.status is SessionStatus.CLOSED
 
+    async def _take_turn(self) -> None:
+        """Wait until no other call of this session runs (calls run one at a time, FIFO)."""
+        turns = self._turns
+        if turns.busy:
+            await turns.wait()
+        else:
+            turns.busy = True
+
     def _check_open(self) -> None:
         if self.status is SessionStatus.CLOSED:
             raise EnvClosedError(f"Session {self.id} is closed.")
@@ -148,7 +198,7 @@ class Session:
             )
 
     async def _guard(self, what: str, call: Coroutine[Any, Any, T]) -> T:
-        self.touch()
+        self.last_active = time.monotonic()
         try:
             # Run the call eagerly: most steps of a fast environment finish without ever
             # suspending, and those need no deadline (arming and cancelling a timer is a
@@ -162,7 +212,7 @@ class Session:
             # ``asyncio.timeout`` runs the call in this task; ``wait_for`` (3.11) would wrap
             # it in a new Task per call: two more event-loop hops.
             async with asyncio.timeout(self.call_timeout_s):
-                return await _resume(call, pending)
+                return await resume(call, pending)
         except TimeoutError:
             self._poison()
             raise EnvTimeoutError(
@@ -171,7 +221,7 @@ class Session:
                 timeout_s=self.call_timeout_s,
             ) from None
         finally:
-            self.touch()
+            self.last_active = time.monotonic()
 
     def _poison(self) -> None:
         self.status = SessionStatus.POISONED

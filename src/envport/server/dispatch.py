@@ -105,6 +105,9 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
                 else:
                     reply = await run_op(session, kind, data, extended=True)
                     session.last_reply = (frame_id, reply)
+            elif kind == "step" and data is not None:  # run_op's step, one frame less
+                result = await session.step(data)
+                reply = {"type": "observation", "data": result.to_wire(extended=conn.extended)}
             else:
                 reply = await run_op(session, kind, data, extended=conn.extended)
     except EnvportError as exc:

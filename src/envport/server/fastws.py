@@ -19,18 +19,28 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections import deque
-from collections.abc import MutableMapping
+from collections.abc import Callable, Coroutine, MutableMapping
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
+
+from envport.coro import resume
 
 try:
     from websockets.speedups import apply_mask
 except ImportError:  # pragma: no cover - the C extension ships in websockets' wheels
     from websockets.utils import apply_mask
 
-__all__ = ["EnvportWebSocketProtocol", "FastWebSocket"]
+try:  # what asyncio's eager tasks use to run code as a task (CPython 3.11-3.14)
+    from asyncio.tasks import _enter_task, _leave_task
+except ImportError:  # pragma: no cover - then every message wakes the task
+    _enter_task = _leave_task = None  # type: ignore[assignment]
+
+__all__ = ["EnvportWebSocketProtocol", "FastWebSocket", "MessageHandler"]
+
+#: Answers one message; ``False`` ends the connection's loop.
+MessageHandler = Callable[[str | bytes], Coroutine[Any, Any, bool]]
 
 SCOPE_KEY = "envport.fastws"
 
@@ -56,9 +66,10 @@ def frame_header(opcode: int, length: int) -> bytes:
 class FastWebSocket:
     """One accepted WebSocket whose frames envport reads and writes itself.
 
-    Use :meth:`receive`, :meth:`send` and :meth:`close` from the one task that serves
-    the connection (the ASGI app's task). Messages are handed over in order; reading
-    the socket pauses while two messages wait unread (memory stays bounded).
+    The task that serves the connection calls :meth:`run` with a handler that answers
+    one message (and uses :meth:`send` and :meth:`close`). Messages are answered one at
+    a time, in order; reading the socket pauses while two messages wait unanswered
+    (memory stays bounded).
     """
 
     def __init__(self, protocol: EnvportWebSocketProtocol) -> None:
@@ -73,26 +84,69 @@ class FastWebSocket:
         self._messages: deque[str | bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._read_paused = False
+        self._on_message: MessageHandler | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._busy = False  # an answer is under way (eagerly begun or in the task)
+        self._continuation: tuple[Coroutine[Any, Any, bool], Any] | None = None
+        self._error: BaseException | None = None
+        self._stop = False
         self.closed = False  # no more messages will come (closed, failed or lost)
         self.close_code: int | None = None
 
     # ---------------------------------------------------------------- app side
 
-    async def receive(self) -> str | bytes | None:
-        """The next message (text as ``str``), or ``None`` once the connection ended."""
-        while not self._messages:
-            if self.closed:
-                return None
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        message = self._messages.popleft()
-        if self._read_paused and not self._messages and not self.closed:
-            self._read_paused = False
-            self._transport.resume_reading()
-        return message
+    async def run(self, on_message: MessageHandler) -> None:
+        """Answer messages with ``on_message`` until it returns ``False`` or the connection ends.
+
+        Call from the task that serves this connection. Messages are answered one at a
+        time, in order. A message that arrives while this task waits for one is answered
+        at once, inside the socket's read callback and as this task (see
+        :meth:`_answer_eagerly`), instead of waking the task through the event loop;
+        the rest of an answer that has to wait (an environment that awaits I/O) goes on
+        in this task.
+        """
+        self._on_message = on_message
+        self._task = asyncio.current_task()
+        try:
+            while not self._stop:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    raise error
+                continuation = self._continuation
+                if continuation is not None:
+                    self._continuation = None
+                    keep = await resume(*continuation)
+                elif self._messages:
+                    message = self._messages.popleft()
+                    if self._read_paused and not self._messages and not self.closed:
+                        self._read_paused = False
+                        self._transport.resume_reading()
+                    self._busy = True
+                    keep = await on_message(message)
+                elif self.closed:
+                    return
+                else:
+                    self._waiter = self._loop.create_future()
+                    try:
+                        await self._waiter
+                    except asyncio.CancelledError as exc:
+                        # Aimed at an answer that began eagerly (its deadline, a server
+                        # shutdown): deliver it there, as if that answer had run here.
+                        continuation = self._continuation
+                        if continuation is None:
+                            raise
+                        self._continuation = None
+                        keep = await resume(continuation[0], None, throw=exc)
+                    else:
+                        continue
+                    finally:
+                        self._waiter = None
+                self._busy = False
+                if not keep:
+                    return
+        finally:
+            self._on_message = None
+            self._task = None
 
     async def send(self, payload: bytes) -> None:
         """Send ``payload`` (UTF-8 JSON) as one text frame; waits while the peer is slow."""
@@ -204,10 +258,54 @@ class FastWebSocket:
                 return
         else:
             message = payload
+        if self._waiter is not None and not self._busy and _enter_task is not None:
+            self._answer_eagerly(message)
+            return
         self._messages.append(message)
         if len(self._messages) >= 2 and not self._read_paused:
             self._read_paused = True
             self._transport.pause_reading()
+        self._wake()
+
+    def _answer_eagerly(self, message: str | bytes) -> None:
+        """Answer ``message`` now, as the connection's (idle) task, until it first waits.
+
+        Most answers (a step of a fast environment) finish without waiting: this saves
+        the event-loop round trip of waking the task, per frame. The code runs with the
+        connection's task as the current task, so ``asyncio.timeout``, ``current_task``
+        and cancellation behave as if the task ran it; what remains after it first
+        suspends is handed to that task (:meth:`run`), which is the same as Python
+        3.12's eager tasks, without a new task per frame.
+        """
+        on_message, task, loop = self._on_message, self._task, self._loop
+        if on_message is None or task is None:  # not in run(): queue it
+            self._messages.append(message)
+            return
+        call = on_message(message)
+        try:
+            _enter_task(loop, task)
+        except RuntimeError:  # called inside another task: the ordinary path
+            call.close()
+            self._messages.append(message)
+            self._wake()
+            return
+        self._busy = True
+        try:
+            pending = call.send(None)
+        except StopIteration as done:
+            self._busy = False
+            if not done.value:
+                self._stop = True
+                self._wake()
+            return
+        except BaseException as exc:  # the task raises it (an OSError ends the connection)
+            self._busy = False
+            self._error = exc
+            self._wake()
+            return
+        finally:
+            _leave_task(loop, task)
+        self._continuation = (call, pending)
         self._wake()
 
     def _peer_closed(self, payload: bytes) -> None:

@@ -17,14 +17,14 @@ frame. Replies are text frames, as OpenEnv's server sends them.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
 from envport.errors import CapacityError, EnvportError
 from envport.protocol.codec import decode_frame, encode, error_frame
 from envport.server.dispatch import Connection, handle_frame
-from envport.server.fastws import fast_websocket
+from envport.server.fastws import FastWebSocket, fast_websocket
 from envport.server.sessions import SessionManager
 
 
@@ -79,29 +79,39 @@ class AsgiChannel:
         await self._send({"type": "websocket.close", "code": code})
 
 
-async def serve_connection(manager: SessionManager, channel: Channel) -> None:
+async def serve_connection(manager: SessionManager, channel: Channel | FastWebSocket) -> None:
     """Answer frames on one accepted WebSocket until it closes."""
-    max_bytes = manager.config.max_frame_bytes
     conn = Connection(manager)
+    max_bytes = manager.config.max_frame_bytes
+
+    async def answer(raw: str | bytes) -> bool:
+        """Answer one frame; ``False`` when the connection is to end."""
+        try:
+            frame = decode_frame(raw, max_bytes)
+        except EnvportError as exc:
+            reply = error_frame(exc)
+        else:
+            reply = await handle_frame(conn, frame)
+        await channel.send(encode(reply))
+        if (
+            reply["type"] == "error"
+            and reply["data"].get("code") == CapacityError.code
+            and conn.primary is None
+        ):
+            await channel.close(1000)
+            return False
+        if conn.closing:
+            await conn.release(keep_for_resume=False)
+            await channel.close(1000)
+            return False
+        return True
+
     try:
-        while True:
-            raw = await channel.receive()
-            if raw is None:
-                break
-            try:
-                frame = decode_frame(raw, max_bytes)
-            except EnvportError as exc:
-                reply = error_frame(exc)
-            else:
-                reply = await handle_frame(conn, frame)
-            await channel.send(encode(reply))
-            if _is_capacity_error(reply) and conn.primary is None:
-                await channel.close(1000)
-                return
-            if conn.closing:
-                await conn.release(keep_for_resume=False)
-                await channel.close(1000)
-                return
+        if isinstance(channel, FastWebSocket):
+            await channel.run(answer)
+        else:
+            while (raw := await channel.receive()) is not None and await answer(raw):
+                pass
     except OSError:  # the peer vanished while we were sending (uvicorn: ClientDisconnected)
         pass
     finally:
@@ -109,7 +119,3 @@ async def serve_connection(manager: SessionManager, channel: Channel) -> None:
 
 
 websocket_endpoint = WebSocketEndpoint()
-
-
-def _is_capacity_error(reply: dict[str, Any]) -> bool:
-    return bool(reply["type"] == "error" and reply["data"].get("code") == CapacityError.code)
