@@ -27,7 +27,6 @@ import inspect
 import math
 import random
 import uuid
-import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -140,7 +139,7 @@ class Env(Generic[ActT, ObsT]):
         if not _is_async_hook(hook):
             return await self._run_hook(hook, cast(ActT, typed))
         try:  # an async hook, awaited here: _run_hook's path without its frame (hot path)
-            return await cast(Awaitable[StepResult[ObsT]], hook(cast(ActT, typed)))
+            return await cast("Awaitable[StepResult[ObsT]]", hook(cast(ActT, typed)))
         except (EnvportError, NotImplementedError):
             raise
         except Exception as exc:
@@ -277,7 +276,7 @@ class Env(Generic[ActT, ObsT]):
         """Call a hook: inline if it is ``async def``, else on the instance's thread."""
         try:
             if _is_async_hook(hook):
-                return await cast(Awaitable[T], hook(*args, **kwargs))
+                return await cast("Awaitable[T]", hook(*args, **kwargs))
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"envport-{type(self).__name__}"
@@ -285,7 +284,7 @@ class Env(Generic[ActT, ObsT]):
             loop = asyncio.get_running_loop()
             value = await loop.run_in_executor(self._executor, partial(hook, *args, **kwargs))
             if inspect.isawaitable(value):
-                return await cast(Awaitable[T], value)
+                return await cast("Awaitable[T]", value)
             return value
         except (EnvportError, NotImplementedError):
             raise
@@ -299,8 +298,9 @@ class Env(Generic[ActT, ObsT]):
         )
 
 
-#: ``inspect.iscoroutinefunction`` per hook function, computed once (hot path).
-_ASYNC_HOOKS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: ``inspect.iscoroutinefunction`` per hook function, computed once (hot path). A plain
+#: dict: one entry per hook a class defines, and looking one up costs no weak reference.
+_ASYNC_HOOKS: dict[Any, bool] = {}
 
 
 def _is_async_hook(hook: Callable[..., Any]) -> bool:
