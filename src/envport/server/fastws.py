@@ -258,7 +258,10 @@ class FastWebSocket:
                 return
         else:
             message = payload
-        if self._waiter is not None and not self._busy and _enter_task is not None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and not self._busy and _enter_task is not None:
+            # The task waits for a message and nothing has woken it yet (no answer under
+            # way, no stop, no error): answer here.
             self._answer_eagerly(message)
             return
         self._messages.append(message)
