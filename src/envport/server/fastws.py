@@ -32,10 +32,9 @@ try:
 except ImportError:  # pragma: no cover - the C extension ships in websockets' wheels
     from websockets.utils import apply_mask
 
-try:  # what asyncio's eager tasks use to run code as a task (CPython 3.11-3.14)
-    from asyncio.tasks import _enter_task, _leave_task
-except ImportError:  # pragma: no cover - then every message wakes the task
-    _enter_task = _leave_task = None  # type: ignore[assignment]
+# What asyncio's own eager tasks (3.12+) use to run code as a given task; present in
+# every CPython envport supports (3.11 on), though not public API.
+from asyncio.tasks import _enter_task, _leave_task
 
 __all__ = ["EnvportWebSocketProtocol", "FastWebSocket", "MessageHandler"]
 
@@ -258,11 +257,11 @@ class FastWebSocket:
                 return
         else:
             message = payload
-        waiter = self._waiter
-        if waiter is not None and not waiter.done() and not self._busy and _enter_task is not None:
+        waiter, task = self._waiter, self._task
+        if waiter is not None and not waiter.done() and not self._busy and task is not None:
             # The task waits for a message and nothing has woken it yet (no answer under
             # way, no stop, no error): answer here.
-            self._answer_eagerly(message)
+            self._answer_eagerly(message, task)
             return
         self._messages.append(message)
         if len(self._messages) >= 2 and not self._read_paused:
@@ -270,7 +269,7 @@ class FastWebSocket:
             self._transport.pause_reading()
         self._wake()
 
-    def _answer_eagerly(self, message: str | bytes) -> None:
+    def _answer_eagerly(self, message: str | bytes, task: asyncio.Task[Any]) -> None:
         """Answer ``message`` now, as the connection's (idle) task, until it first waits.
 
         Most answers (a step of a fast environment) finish without waiting: this saves
@@ -280,11 +279,9 @@ class FastWebSocket:
         suspends is handed to that task (:meth:`run`), which is the same as Python
         3.12's eager tasks, without a new task per frame.
         """
-        on_message, task, loop = self._on_message, self._task, self._loop
-        if on_message is None or task is None:  # not in run(): queue it
-            self._messages.append(message)
-            return
-        call = on_message(message)
+        loop = self._loop
+        assert self._on_message is not None  # set with the task, in run()
+        call = self._on_message(message)
         try:
             _enter_task(loop, task)
         except RuntimeError:  # called inside another task: the ordinary path
