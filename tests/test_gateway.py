@@ -241,8 +241,10 @@ async def test_streaming_reassembles_to_the_non_streamed_call(gw: Served) -> Non
         assert (a["message"]["content"] or "") == (b["message"]["content"] or "")
 
 
-def _paced_upstream(release: threading.Event) -> Starlette:
-    """An upstream that sends one chunk, then waits for ``release`` before the rest."""
+def _paced_upstream(release: threading.Event, *, hold_first: bool = False) -> Starlette:
+    """An upstream that sends one chunk, then waits for ``release`` before the rest
+    (``hold_first``: it sends only the answer's head before it waits, as a model server
+    does during a long prefill)."""
 
     def event(delta: dict[str, Any], ids: list[int], finish: str | None = None) -> bytes:
         import json
@@ -253,6 +255,10 @@ def _paced_upstream(release: threading.Event) -> Starlette:
 
     async def chat(request: Request) -> Response:
         async def body() -> AsyncIterator[bytes]:
+            for _ in range(1000 if hold_first else 0):  # released from another thread
+                if release.is_set():
+                    break
+                await asyncio.sleep(0.01)
             yield event({"role": "assistant", "content": "Hel"}, [1, 2])
             for _ in range(1000):
                 if release.is_set():
@@ -949,6 +955,32 @@ async def test_an_agent_leaving_mid_stream_is_recorded_and_frees_its_slot(serve:
     assert call.error is not None
     assert call.error.kind is ErrorKind.HARNESS
     assert call.choices[0].completion_token_ids == [1, 2]  # what was relayed is kept
+    assert stats["in_flight"] == 0
+    assert stats["upstreams"][0]["in_flight"] == 0
+
+
+async def test_an_agent_leaving_before_the_first_token_is_heard_while_upstream_waits(
+    serve: Any,
+) -> None:
+    release = threading.Event()
+    with serve_in_thread(_paced_upstream(release, hold_first=True)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            await stream.close()  # gone before any event: upstream is still "prefilling"
+
+        async def recorded() -> bool:
+            return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
+
+        await wait_for(recorded)  # heard at once: upstream has sent nothing yet
+        [call] = await served.calls(ro["rollout_id"])
+        stats = await served.stats()
+        release.set()
+        await served.admin.aclose()
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.HARNESS
+    assert "disconnected" in call.error.message
     assert stats["in_flight"] == 0
     assert stats["upstreams"][0]["in_flight"] == 0
 

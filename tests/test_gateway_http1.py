@@ -616,3 +616,29 @@ async def test_a_cancelled_post_is_a_cancellation_and_leaves_no_timer() -> None:
         await asyncio.sleep(0.4)  # past the read timeout and the deadline: no timer fires
         assert pool.idle_connections() == 0
     await pool.aclose()
+
+
+async def test_ready_tells_whether_body_bytes_are_waiting_to_be_read() -> None:
+    go = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")  # head alone
+        await go.wait()
+        writer.write(b"2\r\nab\r\n0\r\n\r\n")
+        await reader.read()  # hold the connection until the client closes it
+
+    async with serve(handler) as srv:
+        pool = Http1Pool()
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        assert not response.ready()  # the body has not started: a read would wait
+        go.set()
+        for _ in range(200):
+            if response.ready():
+                break
+            await asyncio.sleep(0.005)
+        assert response.ready()
+        assert [p async for p in response.chunks(batch=True)] == [b"ab"]
+        assert response.at_eof()
+        assert response.ready()  # at the end: a read returns at once
+        await pool.aclose()

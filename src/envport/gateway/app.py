@@ -739,6 +739,8 @@ class _StreamBroken(Exception):
     def __init__(self, error: UpstreamError) -> None:
         super().__init__(error.message)
         self.error = error
+        self.before = b""  # the events of the same read before the failure (relayed first)
+        self.chunks: list[dict[str, Any]] = []  # their chunks, for a translator
 
 
 def _sse_data(event: bytes) -> bytes | None:
@@ -759,6 +761,10 @@ def _error_event(dialect: Dialect, message: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+def _no_watch() -> None:
+    pass
+
+
 class _Relay:
     """Relays an upstream SSE stream to the agent event by event, recording as it goes.
 
@@ -771,7 +777,9 @@ class _Relay:
     chunk that is not JSON, an error event, no ``[DONE]``), the agent gets an error
     event and the stream ends; the call is recorded with the error. If the agent goes
     away (one waiting ``receive()`` hears it), the relay is cancelled, the upstream
-    request closed and the call recorded as cut by the client.
+    request closed and the call recorded as cut by the client. That ``receive()`` starts
+    once the first events are relayed, or as soon as the relay has to wait for upstream:
+    when the first events arrived with the answer's head, they go out first.
     """
 
     def __init__(self, call: _Call, opened: Opened) -> None:
@@ -789,6 +797,8 @@ class _Relay:
         self._translating = call.api.stream_from_chat is not None
         self._relaying = True  # a disconnect heard now cuts the stream
         self._ended = False  # the agent's answer was ended (with [DONE])
+        self._watch: Callable[[], None] = _no_watch  # starts listening for a disconnect
+        self._buf = b""  # the start of an event whose end has not arrived yet
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -803,8 +813,15 @@ class _Relay:
                 client_gone = True
                 task.cancel()
 
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(heard)
+        watcher: asyncio.Future[Message] | None = None
+
+        def watch() -> None:
+            nonlocal watcher
+            if watcher is None:
+                watcher = asyncio.ensure_future(receive())
+                watcher.add_done_callback(heard)
+
+        self._watch = watch
         try:
             await send(
                 {"type": "http.response.start", "status": self.status, "headers": self.headers}
@@ -818,7 +835,9 @@ class _Relay:
             task.uncancel()
         finally:
             self._relaying = False
-            watcher.cancel()
+            self._watch = _no_watch
+            if watcher is not None:
+                watcher.cancel()
             if client_gone or not self._complete:
                 await self.opened.aclose()
             if client_gone and self.call.record.error is None:
@@ -829,7 +848,8 @@ class _Relay:
                 )
             self._record()
         try:
-            if not watcher.done():  # cancelled above: it ends at the loop's next turn
+            # Cancelled above, the watcher ends at the loop's next turn.
+            if watcher is not None and not watcher.done():
                 with contextlib.suppress(Exception):  # a failed receive() was heard as such
                     try:
                         await watcher
@@ -853,13 +873,7 @@ class _Relay:
         api = self.call.api
         try:
             if api.stream_from_chat is None:
-                async for raw, _ in self._events():
-                    if self._complete:  # [DONE] ends the agent's answer too: one write
-                        self._relaying = False
-                        self._ended = True
-                        await send({"type": "http.response.body", "body": raw})
-                    else:
-                        await send({"type": "http.response.body", "body": raw, "more_body": True})
+                await self._relay(send)
             else:
                 request = self.call.record.agent_request
                 model = str(request.get("model") or "")
@@ -872,6 +886,41 @@ class _Relay:
                 event = _error_event(api.dialect, exc.error.message)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
 
+    async def _relay(self, send: Send) -> None:
+        """The pass-through relay: each upstream read's complete events, sent on as one
+        write (the same loop as :meth:`_events`, without a generator between the read
+        and the write: one less hop for every piece of every stream)."""
+        if not self.opened.ready():
+            self._watch()  # a wait for the first event: hear a disconnect meanwhile
+        pieces = self.opened.chunks()
+        try:
+            while True:
+                try:
+                    piece = await anext(pieces)
+                except StopAsyncIteration:
+                    break
+                except STREAM_ERRORS as exc:
+                    raise self._broken(exc) from exc
+                try:
+                    events, _ = self._take(piece)
+                except _StreamBroken as exc:
+                    if exc.before:  # pass on the events before the bad one
+                        await send(
+                            {"type": "http.response.body", "body": exc.before, "more_body": True}
+                        )
+                    raise
+                if self._complete:  # [DONE] ends the agent's answer too: one write
+                    self._relaying = False
+                    self._ended = True
+                    await send({"type": "http.response.body", "body": events})
+                    return
+                if events:
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
+                self._watch()  # the first events are relayed (or a wait): hear a disconnect
+        finally:
+            await pieces.aclose()
+        raise self._ended_early()
+
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         async for _, chunks in self._events():
             for chunk in chunks:
@@ -880,51 +929,87 @@ class _Relay:
     async def _events(self) -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
         """The complete events of each upstream read, as (their bytes, their chunks);
         stops after [DONE]. Events before a bad one are passed on before it fails.
+        (What a translator reads; a pass-through relay runs :meth:`_relay`.)"""
+        if not self.opened.ready():
+            self._watch()  # a wait for the first event: hear a disconnect meanwhile
+        pieces = self.opened.chunks()
+        try:
+            while True:
+                try:
+                    piece = await anext(pieces)
+                except StopAsyncIteration:
+                    break
+                except STREAM_ERRORS as exc:
+                    raise self._broken(exc) from exc
+                try:
+                    events, chunks = self._take(piece)
+                except _StreamBroken as exc:
+                    if exc.before:  # pass on the events before the bad one
+                        yield exc.before, exc.chunks
+                    raise
+                if events:
+                    yield events, chunks
+                if self._complete:
+                    return
+                self._watch()  # the first events are relayed (or a wait): hear a disconnect
+        finally:
+            await pieces.aclose()
+        raise self._ended_early()
+
+    def _take(self, piece: bytes) -> tuple[bytes, list[dict[str, Any]]]:
+        """The complete events of what arrived (``piece`` and what was left over from
+        the last read), as (their bytes, their chunks), each chunk checked and kept for
+        the record. At ``[DONE]`` the call is recorded and the events end with it. A bad
+        event raises :class:`_StreamBroken` carrying the events before it.
 
         The chunks (parsed) are given only to a translator; a pass-through relay gets an
         empty list, and each chunk's bytes are kept for the record instead."""
-        buf = b""
-        url = self.opened.upstream.base_url
+        if b"\r" in piece:
+            piece = piece.replace(b"\r\n", b"\n")
+        buf = self._buf
+        if not buf and piece.endswith(b"\n\n"):
+            events = piece  # the usual read: whole events, nothing left over
+        else:
+            buf += piece
+            last = buf.rfind(b"\n\n")
+            if last < 0:
+                self._buf = buf
+                return b"", []
+            events, self._buf = buf[: last + 2], buf[last + 2 :]
+        chunks: list[dict[str, Any]] = []
+        start = good = 0
         try:
-            async with contextlib.aclosing(self.opened.chunks()) as pieces:
-                async for piece in pieces:
-                    buf += piece.replace(b"\r\n", b"\n") if b"\r" in piece else piece
-                    last = buf.rfind(b"\n\n")
-                    if last < 0:
-                        continue
-                    events, buf = buf[: last + 2], buf[last + 2 :]
-                    chunks: list[dict[str, Any]] = []
-                    start = good = 0
-                    try:
-                        while start < len(events):
-                            good = start  # the events before this one are fine
-                            end = events.find(b"\n\n", start) + 2
-                            data = _sse_data(events[start:end])
-                            start = end
-                            if data is None:
-                                continue
-                            if data.strip() == b"[DONE]":
-                                self._complete = True
-                                self._record()
-                                yield events[:end], chunks
-                                return
-                            chunk = self._check(data)
-                            if self._translating:
-                                chunks.append(chunk)
-                    except _StreamBroken:
-                        if good:  # pass on the events before the bad one
-                            yield events[:good], chunks
-                        raise
-                    yield events, chunks
-        except TimeoutError as exc:
-            raise _StreamBroken(
+            while start < len(events):
+                good = start  # the events before this one are fine
+                end = events.find(b"\n\n", start) + 2
+                data = _sse_data(events[start:end])
+                start = end
+                if data is None:
+                    continue
+                if data[-1:] != b"}" and data.strip() == b"[DONE]":
+                    self._complete = True
+                    self._record()
+                    return events[:end], chunks
+                chunk = self._check(data)
+                if self._translating:
+                    chunks.append(chunk)
+        except _StreamBroken as exc:
+            exc.before, exc.chunks = events[:good], chunks
+            raise
+        return events, chunks
+
+    def _broken(self, exc: BaseException) -> _StreamBroken:
+        """A failed read of the upstream stream, as told to the agent."""
+        url = self.opened.upstream.base_url
+        if isinstance(exc, TimeoutError):
+            return _StreamBroken(
                 UpstreamTimeoutError(f"Upstream {url} stalled mid-stream: {exc!r}")
-            ) from exc
-        except STREAM_ERRORS as exc:
-            raise _StreamBroken(
-                UpstreamError(f"Upstream {url} broke the stream midway: {exc!r}")
-            ) from exc
-        raise _StreamBroken(UpstreamError(f"Upstream {url} ended the stream before [DONE]."))
+            )
+        return _StreamBroken(UpstreamError(f"Upstream {url} broke the stream midway: {exc!r}"))
+
+    def _ended_early(self) -> _StreamBroken:
+        url = self.opened.upstream.base_url
+        return _StreamBroken(UpstreamError(f"Upstream {url} ended the stream before [DONE]."))
 
     def _check(self, data: bytes) -> dict[str, Any]:
         """Parse one chunk: it must be a JSON object and no error; keep its bytes (the
