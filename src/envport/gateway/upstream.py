@@ -160,6 +160,10 @@ class Opened:
     def headers(self) -> Mapping[str, str]:
         return self.response.headers
 
+    def ready(self) -> bool:
+        """Whether some of the body arrived already (reading it will not wait)."""
+        return self.response.ready()
+
     def chunks(self) -> AsyncGenerator[bytes, None]:
         """The streamed body as it arrives: all that one read brought, as one piece."""
         return self.response.chunks(batch=True)
@@ -314,7 +318,9 @@ class UpstreamPool:
             upstream.failures += 1
             attempts.append(Attempt(upstream.base_url, None, detail, time.monotonic() - t0))
             if number < policy.max_attempts:
-                wait = min(policy.backoff(number), max(0.0, deadline - time.monotonic()))
+                wait = policy.backoff(number)
+                if time.monotonic() + wait >= deadline:
+                    break  # no time for another try after the backoff
                 await asyncio.sleep(wait)
         error = last_exc or UpstreamTimeoutError(
             f"The call's budget ({policy.deadline_s:g} s) ran out.",
