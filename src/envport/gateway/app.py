@@ -52,7 +52,7 @@ import dataclasses
 import importlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -888,27 +888,20 @@ class _Relay:
 
     async def _relay(self, send: Send) -> None:
         """The pass-through relay: each upstream read's complete events, sent on as one
-        write (the same loop as :meth:`_events`, without a generator between the read
-        and the write: one less hop for every piece of every stream)."""
-        if not self.opened.ready():
-            self._watch()  # a wait for the first event: hear a disconnect meanwhile
-        pieces = self.opened.chunks()
+        write (no generator between the read and the write: one hop less for every piece
+        of every stream)."""
+        pieces = self._pieces()
         try:
             while True:
                 try:
-                    piece = await anext(pieces)
-                except StopAsyncIteration:
-                    break
-                except STREAM_ERRORS as exc:
-                    raise self._broken(exc) from exc
-                try:
-                    events, _ = self._take(piece)
+                    got = await self._read(pieces)
                 except _StreamBroken as exc:
                     if exc.before:  # pass on the events before the bad one
                         await send(
                             {"type": "http.response.body", "body": exc.before, "more_body": True}
                         )
                     raise
+                events = got[0]
                 if self._complete:  # [DONE] ends the agent's answer too: one write
                     self._relaying = False
                     self._ended = True
@@ -919,42 +912,46 @@ class _Relay:
                 self._watch()  # the first events are relayed (or a wait): hear a disconnect
         finally:
             await pieces.aclose()
-        raise self._ended_early()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
-        async for _, chunks in self._events():
-            for chunk in chunks:
-                yield chunk
-
-    async def _events(self) -> AsyncIterator[tuple[bytes, list[dict[str, Any]]]]:
-        """The complete events of each upstream read, as (their bytes, their chunks);
-        stops after [DONE]. Events before a bad one are passed on before it fails.
-        (What a translator reads; a pass-through relay runs :meth:`_relay`.)"""
-        if not self.opened.ready():
-            self._watch()  # a wait for the first event: hear a disconnect meanwhile
-        pieces = self.opened.chunks()
+        """The chunks of the stream, checked, for a translator; stops after [DONE].
+        Chunks before a bad one are passed on before it fails."""
+        pieces = self._pieces()
         try:
             while True:
                 try:
-                    piece = await anext(pieces)
-                except StopAsyncIteration:
-                    break
-                except STREAM_ERRORS as exc:
-                    raise self._broken(exc) from exc
-                try:
-                    events, chunks = self._take(piece)
+                    _, chunks = await self._read(pieces)
                 except _StreamBroken as exc:
-                    if exc.before:  # pass on the events before the bad one
-                        yield exc.before, exc.chunks
+                    for chunk in exc.chunks:
+                        yield chunk
                     raise
-                if events:
-                    yield events, chunks
+                for chunk in chunks:
+                    yield chunk
                 if self._complete:
                     return
                 self._watch()  # the first events are relayed (or a wait): hear a disconnect
         finally:
             await pieces.aclose()
-        raise self._ended_early()
+
+    def _pieces(self) -> AsyncGenerator[bytes, None]:
+        """Upstream's body, a read at a time; if the first must be waited for, a
+        disconnect is listened for from now on."""
+        if not self.opened.ready():
+            self._watch()
+        return self.opened.chunks()
+
+    async def _read(
+        self, pieces: AsyncGenerator[bytes, None]
+    ) -> tuple[bytes, list[dict[str, Any]]]:
+        """The complete events of the next read (see :meth:`_take`); a failed read, or
+        the body's end before [DONE], raises :class:`_StreamBroken`."""
+        try:
+            piece = await anext(pieces)
+        except StopAsyncIteration:
+            raise self._ended_early() from None
+        except STREAM_ERRORS as exc:
+            raise self._broken(exc) from exc
+        return self._take(piece)
 
     def _take(self, piece: bytes) -> tuple[bytes, list[dict[str, Any]]]:
         """The complete events of what arrived (``piece`` and what was left over from
