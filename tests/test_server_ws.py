@@ -385,6 +385,16 @@ def probe_server() -> Iterator[uvicorn.Server]:
         yield server
 
 
+@pytest.fixture
+def probe(probe_server: uvicorn.Server) -> Iterator[RawWS]:
+    """A connection to TaskProbeEnv, reset."""
+    client = RawWS(probe_server)
+    client.send_json({"type": "reset"})
+    assert client.recv_json()["type"] == "observation"
+    yield client
+    client.close()
+
+
 def _echo(ws: RawWS) -> str:
     reply = ws.recv_json()
     assert reply["type"] == "observation", reply
@@ -392,55 +402,35 @@ def _echo(ws: RawWS) -> str:
     return text
 
 
-def test_a_step_answered_in_the_read_callback_runs_as_the_connection_task(
-    probe_server: uvicorn.Server,
-) -> None:
-    ws = RawWS(probe_server)
-    try:
-        ws.send_json({"type": "reset"})
-        ws.recv_json()
-        ws.send_json({"type": "step", "data": {"message": "plain"}})
-        assert _echo(ws) == "plain (in a task: True)"
-        ws.send_json({"type": "step", "data": {"message": "timeout"}})
-        assert _echo(ws) == "timeout scope entered and left"
-    finally:
-        ws.close()
+def test_a_step_answered_in_the_read_callback_runs_as_the_connection_task(probe: RawWS) -> None:
+    probe.send_json({"type": "step", "data": {"message": "plain"}})
+    assert _echo(probe) == "plain (in a task: True)"
+    probe.send_json({"type": "step", "data": {"message": "timeout"}})
+    assert _echo(probe) == "timeout scope entered and left"
 
 
 def test_a_step_that_waits_goes_on_in_the_task_and_later_frames_keep_their_order(
-    probe_server: uvicorn.Server,
+    probe: RawWS,
 ) -> None:
-    ws = RawWS(probe_server)
-    try:
-        ws.send_json({"type": "reset"})
-        ws.recv_json()
-        # Three frames in one write: the first begins at once and then waits; the other
-        # two arrive while it waits and are answered after it, in order.
-        ws.sock.sendall(
-            b"".join(
-                RawWS.frame(TEXT, json.dumps({"type": "step", "data": {"message": m}}).encode())
-                for m in ("wait:0.05", "second", "third")
-            )
+    # Three frames in one write: the first begins at once and then waits; the other two
+    # arrive while it waits and are answered after it, in order.
+    probe.sock.sendall(
+        b"".join(
+            RawWS.frame(TEXT, json.dumps({"type": "step", "data": {"message": m}}).encode())
+            for m in ("wait:0.05", "second", "third")
         )
-        assert _echo(ws) == "waited, same task: True"
-        assert _echo(ws) == "second (in a task: True)"
-        assert _echo(ws) == "third (in a task: True)"
-        ws.send_json({"type": "state"})
-        assert ws.recv_json()["data"]["step_count"] == 3
-    finally:
-        ws.close()
+    )
+    assert _echo(probe) == "waited, same task: True"
+    assert _echo(probe) == "second (in a task: True)"
+    assert _echo(probe) == "third (in a task: True)"
+    probe.send_json({"type": "state"})
+    assert probe.recv_json()["data"]["step_count"] == 3
 
 
 def test_a_cancellation_aimed_at_a_step_begun_in_the_read_callback_lands_inside_it(
-    probe_server: uvicorn.Server,
+    probe: RawWS,
 ) -> None:
-    ws = RawWS(probe_server)
-    try:
-        ws.send_json({"type": "reset"})
-        ws.recv_json()
-        ws.send_json({"type": "step", "data": {"message": "cancel-self"}})
-        assert _echo(ws) == "cancelled inside the step"
-        ws.send_json({"type": "step", "data": {"message": "after"}})  # the connection lives on
-        assert _echo(ws) == "after (in a task: True)"
-    finally:
-        ws.close()
+    probe.send_json({"type": "step", "data": {"message": "cancel-self"}})
+    assert _echo(probe) == "cancelled inside the step"
+    probe.send_json({"type": "step", "data": {"message": "after"}})  # the connection lives on
+    assert _echo(probe) == "after (in a task: True)"
