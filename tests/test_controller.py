@@ -408,3 +408,19 @@ async def test_a_controller_entered_again_asks_the_store_not_its_old_tasks(
     assert again.skipped
     assert again.trace.trace_id == first.trace.trace_id
     assert len(await store.query(run_id="r")) == 1
+
+
+async def test_exit_waits_for_no_pool_woken_as_it_is_cancelled(store: AsyncTraceStore) -> None:
+    """Ctrl-C never hangs on a pool maintainer that is woken (an instance handed back, a
+    lease ended) just as the controller cancels it: on Python 3.11 ``asyncio.wait_for``
+    drops a cancellation that lands as its awaitable completes, so the maintainer would
+    keep running and the controller's task group would wait for it forever."""
+    async with Controller(store, InProcessBackend(), ScriptHarness(), run_id="r") as ctl:
+        summary = await ctl.run([RolloutSpec(task("t", ["hi"]))])
+        pool = ctl.pools()[FAULTY]
+        for _ in range(5):
+            await asyncio.sleep(0)  # the maintainer settles into its wait
+        pool.adopt([])  # wakes it; it is cancelled (controller exit) before it runs
+        await asyncio.sleep(0)
+    assert summary.succeeded == 1
+    assert pool.stats().instances == 0  # closed on the way out

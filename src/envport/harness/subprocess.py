@@ -633,15 +633,17 @@ async def _run_process(
             assert isinstance(pipe, asyncio.WriteTransport)
             pipe.write(stdin)
             pipe.close()
-        try:
-            await asyncio.wait_for(capture.exited.wait(), timeout_s)
+        try:  # asyncio.timeout: wait_for (3.11) may drop a cancellation that lands at exit
+            async with asyncio.timeout(timeout_s):
+                await capture.exited.wait()
         except TimeoutError:
             timed_out = True
         await _end_group(pgid, capture, grace_s)
         # Output still buffered in the pipes arrives once every writer is gone.
         # A process that left the group may still hold a pipe: then keep what we have.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(capture.pipes_closed.wait(), max(grace_s, 1.0))
+            async with asyncio.timeout(max(grace_s, 1.0)):
+                await capture.pipes_closed.wait()
         ended = True
     finally:
         if not ended:  # cancelled: nothing may outlive the run, stragglers included

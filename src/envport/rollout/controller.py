@@ -331,17 +331,16 @@ async def _settle(job: asyncio.Task[None], client: EnvClient) -> None:
     inner = getattr(transport, "inner", transport)
     drop = getattr(inner, "drop_connection", None)
     try:
-        if drop is not None:
-            await asyncio.wait_for(drop(), 5.0)
-        else:
-            await asyncio.wait_for(inner.close(), 5.0)
+        async with asyncio.timeout(5.0):
+            await (drop() if drop is not None else inner.close())
     except Exception:  # best effort: the instance is retired or stopped next anyway
         return
 
 
 async def _close_quietly(client: EnvClient) -> None:
     try:
-        await asyncio.wait_for(client.close(), 5.0)
+        async with asyncio.timeout(5.0):
+            await client.close()
     except Exception:  # the session is gone with its instance; nothing left to release
         return
 
@@ -957,7 +956,11 @@ class Controller:
         client = EnvClient(_BeatingTransport(inner.transport, f.monitor))
         try:
             try:
-                await asyncio.wait_for(client.transport.open(), start_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
+                # cancellation that lands as the open completes, and a cancelled
+                # rollout would go on to run its harness.
+                async with asyncio.timeout(start_s):
+                    await client.transport.open()
             except Exception as exc:
                 raise _StageFailed("env_start", exc) from exc
             await self._move(f, RolloutState.RUNNING, AttemptState.RUNNING)

@@ -263,8 +263,12 @@ class EnvPool:
                         slot.checked_at = now
                         tg.create_task(self._check(slot))
                 changed = self._changed
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
+                # cancellation that lands as ``changed`` is set, and this loop (and its
+                # owner's task group) would then never end.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), self.health_interval_s)
+                    async with asyncio.timeout(self.health_interval_s):
+                        await changed.wait()
 
     async def aclose(self) -> None:
         """Stop every instance, leased or not; waiting leases get :class:`PoolClosedError`."""

@@ -77,7 +77,8 @@ class SessionManager:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), cfg.queue_timeout_s)
+            async with asyncio.timeout(cfg.queue_timeout_s):  # wait_for (3.11) may drop a cancel
+                await asyncio.shield(waiter)
         except TimeoutError:
             raise CapacityError(self.active, cfg.max_sessions, self._retry_hint()) from None
         finally:

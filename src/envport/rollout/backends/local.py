@@ -206,7 +206,8 @@ class LocalProcessBackend(Backend):
     ) -> bool:
         if proc is not None:
             try:
-                await asyncio.wait_for(proc.wait(), timeout_s)
+                async with asyncio.timeout(timeout_s):  # wait_for (3.11) may drop a cancel
+                    await proc.wait()
             except TimeoutError:
                 return False
             return True
