@@ -8,7 +8,8 @@ gets OpenEnv's ``CAPACITY_REACHED`` frame, then a normal close (code 1000).
 
 This is the hot path of the server. On uvicorn with envport's WebSocket protocol
 (:mod:`envport.server.fastws`, the default of ``envport serve``) the endpoint takes the
-accepted connection's frames off the ASGI path and reads and writes them itself; on any
+accepted connection's frames off the ASGI path and reads and writes them itself (a frame
+reaching an idle connection is answered in the socket's read callback); on any
 other ASGI server it speaks the ``websocket.*`` messages (:class:`AsgiChannel`), not
 through Starlette's ``WebSocket`` wrapper, whose state checks cost a few microseconds per
 frame. Replies are text frames, as OpenEnv's server sends them.
@@ -40,8 +41,9 @@ class WebSocketEndpoint:
         if fast is None:
             await serve_connection(manager, AsgiChannel(receive, send))
             return
-        # A task of its own: each frame then wakes one coroutine, not the dozen frames of
-        # ASGI middleware and routing this app is called through.
+        # A task of its own, the one frames are answered as (FastWebSocket.run: in the
+        # socket's read callback while it is idle, in the task when an answer waits), not
+        # under the dozen frames of ASGI middleware and routing this app is called through.
         await asyncio.ensure_future(serve_connection(manager, fast))
 
 
