@@ -250,9 +250,10 @@ class RayBackend(Backend):
             launch.start_timeout_s,
         )
         try:
-            described = await asyncio.wait_for(
-                asyncio.wrap_future(ref.future()), timeout=launch.start_timeout_s
-            )
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+            # that lands as the awaited call completes (here: the instance would live on).
+            async with asyncio.timeout(launch.start_timeout_s):
+                described = await asyncio.wrap_future(ref.future())
         except asyncio.CancelledError:
             await asyncio.shield(self._kill(name))  # leave nothing behind
             raise
@@ -284,9 +285,8 @@ class RayBackend(Backend):
             handle = await self._handle(instance.instance_id)
             if handle is None:
                 return False
-            alive = await asyncio.wait_for(
-                asyncio.wrap_future(handle.ping.remote().future()), self.call_timeout_s
-            )
+            async with asyncio.timeout(self.call_timeout_s):
+                alive = await asyncio.wrap_future(handle.ping.remote().future())
             return bool(alive)
         except Exception:
             return False
@@ -298,9 +298,8 @@ class RayBackend(Backend):
         if handle is None:
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                asyncio.wrap_future(handle.shutdown.remote().future()), self.call_timeout_s
-            )
+            async with asyncio.timeout(self.call_timeout_s):
+                await asyncio.wrap_future(handle.shutdown.remote().future())
         await self._kill(instance.instance_id)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
@@ -320,9 +319,10 @@ class RayBackend(Backend):
             if handle is None:
                 return None
             try:
-                record: dict[str, Any] = await asyncio.wait_for(
-                    asyncio.wrap_future(handle.describe.remote().future()), self.call_timeout_s
-                )
+                async with asyncio.timeout(self.call_timeout_s):
+                    record: dict[str, Any] = await asyncio.wrap_future(
+                        handle.describe.remote().future()
+                    )
             except Exception:
                 return None  # dead, dying or unreachable: not a live instance
             return record if record.get("url") else None
