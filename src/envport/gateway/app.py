@@ -544,7 +544,7 @@ class Gateway:
                 policy_version=version,
                 streamed=stream,
             ),
-            digest=request_digest(raw),
+            raw=raw,
             client_retry=_int_header(headers.get(SDK_RETRY_HEADER)),
         )
         payload = raw if forwarded is body else orjson.dumps(forwarded)
@@ -662,7 +662,7 @@ class _Call:
     rollout: Rollout
     api: Api
     record: CallRecord
-    digest: str
+    raw: bytes  # the request as the agent sent it (its digest is taken in done())
     client_retry: int
     _done: bool = False
 
@@ -679,7 +679,10 @@ class _Call:
         self._done = True
         gw = self.gateway
         try:
-            self.rollout.add(self.record, self.api.parse_as, self.digest, self.client_retry)
+            # The digest (to tell an SDK's retry of this request) is taken now, after the
+            # answer: hashing a long prompt is no work for the path to the first token.
+            digest = request_digest(self.raw)
+            self.rollout.add(self.record, self.api.parse_as, digest, self.client_retry)
             gw.counters["calls"] += 1
             if self.record.error is not None:
                 gw.counters["call_errors"] += 1
