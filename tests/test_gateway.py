@@ -944,19 +944,29 @@ async def test_an_agent_leaving_mid_stream_is_recorded_and_frees_its_slot(serve:
             await anext(aiter(stream))
             await stream.close()  # the agent goes away while upstream is still generating
 
-        async def recorded() -> bool:
-            return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
-
-        await wait_for(recorded)
-        [call] = await served.calls(ro["rollout_id"])
-        stats = await served.stats()
-        release.set()
-        await served.admin.aclose()
+        call, stats = await _left_call(served, ro, release)
     assert call.error is not None
     assert call.error.kind is ErrorKind.HARNESS
     assert call.choices[0].completion_token_ids == [1, 2]  # what was relayed is kept
     assert stats["in_flight"] == 0
     assert stats["upstreams"][0]["in_flight"] == 0
+
+
+async def _left_call(
+    served: Served, ro: dict[str, Any], release: threading.Event
+) -> tuple[ModelCall, dict[str, Any]]:
+    """Once the call the agent walked away from is recorded: it and the gateway's stats
+    (then upstream is released and the admin client closed)."""
+
+    async def recorded() -> bool:
+        return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
+
+    await wait_for(recorded)
+    [call] = await served.calls(ro["rollout_id"])
+    stats = await served.stats()
+    release.set()
+    await served.admin.aclose()
+    return call, stats
 
 
 async def test_an_agent_leaving_before_the_first_token_is_heard_while_upstream_waits(
@@ -970,14 +980,8 @@ async def test_an_agent_leaving_before_the_first_token_is_heard_while_upstream_w
             stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
             await stream.close()  # gone before any event: upstream is still "prefilling"
 
-        async def recorded() -> bool:
-            return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
-
-        await wait_for(recorded)  # heard at once: upstream has sent nothing yet
-        [call] = await served.calls(ro["rollout_id"])
-        stats = await served.stats()
-        release.set()
-        await served.admin.aclose()
+        # heard at once: upstream has sent nothing yet
+        call, stats = await _left_call(served, ro, release)
     assert call.error is not None
     assert call.error.kind is ErrorKind.HARNESS
     assert "disconnected" in call.error.message
