@@ -116,18 +116,12 @@ class Session:
             self._turns.release()
 
     async def step(self, action: Any) -> StepResult[Any]:
-        # The hot path: the turn taken inline (see _take_turn).
-        turns = self._turns
-        if turns.busy:
-            await turns.wait()
-        else:
-            turns.busy = True
+        await self._take_turn()
         try:
-            if self.status is not SessionStatus.ACTIVE:
-                self._check_usable()
+            self._check_usable()
             return await self._guard("step", self.env.step(action))
         finally:
-            turns.release()
+            self._turns.release()
 
     async def state(self) -> State:
         await self._take_turn()
