@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -1342,3 +1344,145 @@ async def test_a_bad_event_after_good_ones_in_one_read_ends_the_stream_after_the
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
     assert "not JSON" in call.error.message
     assert call.choices[0].completion_token_ids == [1, 2, 3]  # what came before is kept
+
+
+async def test_a_stream_ending_without_done_ends_with_an_error_event(serve: Any) -> None:
+    with serve_in_thread(_one_piece_upstream(b"")) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        seen: list[Any] = []
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            with pytest.raises(openai.APIError) as info:
+                await collect(stream, seen)
+        assert [c.choices[0].delta.content for c in seen] == ["Hel", "lo"]
+        assert "before [DONE]" in info.value.message
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "before [DONE]" in call.error.message
+    assert call.choices[0].completion_token_ids == [1, 2, 3]
+
+
+def _flood_upstream(events: int, sent: list[int], *, gzip: bool = False) -> Starlette:
+    """An upstream that streams ``events`` content events (~1.5 KB each) as fast as its
+    socket takes them, counting in ``sent`` how many it has written; with ``gzip`` the
+    stream is compressed (``content-encoding: gzip``, flushed per event)."""
+    pad = "x" * 1400
+
+    async def chat(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            packer = zlib.compressobj(wbits=31) if gzip else None
+            for i in range(events):
+                choice = {"index": 0, "delta": {"content": f"{i} {pad}"}, "token_ids": [i]}
+                chunk = {"id": "f", "object": "chat.completion.chunk", "model": "f"}
+                data = b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n"
+                if i == events - 1:
+                    data += b"data: [DONE]\n\n"
+                if packer is not None:
+                    data = packer.compress(data) + packer.flush(zlib.Z_SYNC_FLUSH)
+                    if i == events - 1:
+                        data += packer.flush()
+                yield data
+                sent[0] = i + 1
+
+        headers = {"content-encoding": "gzip"} if gzip else None
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def _raw_stream_request(
+    served: Served, ro: dict[str, Any], *, rcvbuf: int | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A streamed chat call sent on a plain socket (the answer is left to read)."""
+    host, port = served.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    if rcvbuf is not None:  # a small window: the gateway's writes to it soon wait
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
+    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
+    writer.write(
+        f"POST /rollouts/{ro['rollout_id']}/v1/chat/completions HTTP/1.1\r\n"
+        f"host: {host}\r\nauthorization: Bearer {ro['token']}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return reader, writer
+
+
+def _contents(answer: bytes) -> list[str]:
+    events = [e for e in answer.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    return [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]]
+
+
+async def test_an_agent_that_stops_reading_holds_upstream_back_and_loses_nothing(
+    serve: Any,
+) -> None:
+    # Upstream's events are written to the agent from upstream's read callback; when the
+    # agent stops reading, the gateway stops reading upstream (it does not buffer the
+    # stream), and once the agent reads again every event arrives, in order.
+    events, sent = 20_000, [0]
+    with serve_in_thread(_flood_upstream(events, sent)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        reader, writer = await _raw_stream_request(served, ro, rcvbuf=4096)
+        try:
+            last = -1
+            while sent[0] != last:  # wait until upstream cannot write any more
+                last = sent[0]
+                await asyncio.sleep(0.5)
+            assert 0 < sent[0] < events  # held back: ~30 MB in all, far more than buffers hold
+            answer = await asyncio.wait_for(_read_chunked(reader), 60)
+        finally:
+            writer.close()
+        assert sent[0] == events
+        assert _contents(answer) == [f"{i} {'x' * 1400}" for i in range(events)]
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.error is None
+    assert call.choices[0].completion_token_ids == list(range(events))
+
+
+async def test_a_compressed_stream_is_relayed_and_recorded(serve: Any) -> None:
+    # A gzip-encoded stream cannot be tapped; it is read (and decoded) piece by piece.
+    events = 50
+    with serve_in_thread(_flood_upstream(events, [0], gzip=True)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        reader, writer = await _raw_stream_request(served, ro)
+        try:
+            answer = await asyncio.wait_for(_read_chunked(reader), 30)
+        finally:
+            writer.close()
+        assert _contents(answer) == [f"{i} {'x' * 1400}" for i in range(events)]
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert call.error is None
+    assert call.choices[0].completion_token_ids == list(range(events))
+
+
+async def test_a_translated_stream_failing_midway_ends_with_an_error_event(
+    gw: Served, upstream: tuple[str, Any]
+) -> None:
+    ro = await gw.rollout()
+    upstream[1].state.faults.push("cut-stream")
+    body = {"model": "m", "max_tokens": 64, "stream": True, "messages": ASK}
+    headers = {"x-api-key": ro["token"], "anthropic-version": "2023-06-01"}
+    async with (
+        httpx.AsyncClient() as http,
+        http.stream(
+            "POST", f"{ro['anthropic_base_url']}/v1/messages", json=body, headers=headers
+        ) as s,
+    ):
+        text = (await s.aread()).decode()
+    assert "event: message_start" in text  # what came before the cut was relayed
+    assert "event: error" in text
+    assert "event: message_stop" not in text
+    [call] = await gw.calls(ro["rollout_id"])
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER

@@ -52,7 +52,14 @@ import dataclasses
 import importlib
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Sequence,
+)
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -65,6 +72,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from envport.coro import resume
 from envport.errors import EnvportError
 from envport.gateway.auth import Grant, TokenRegistry, token_from_headers
 from envport.gateway.capture import (
@@ -92,7 +100,7 @@ from envport.gateway.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
-from envport.gateway.http1 import Http1Pool
+from envport.gateway.http1 import Http1Pool, HTTPError
 from envport.gateway.registry import Registration, RolloutRegistry
 from envport.gateway.upstream import (
     RETRY_STATUSES,
@@ -768,6 +776,10 @@ def _no_watch() -> None:
     pass
 
 
+async def _awaited(awaitable: Awaitable[None]) -> None:
+    await awaitable
+
+
 class _Relay:
     """Relays an upstream SSE stream to the agent event by event, recording as it goes.
 
@@ -802,6 +814,12 @@ class _Relay:
         self._ended = False  # the agent's answer was ended (with [DONE])
         self._watch: Callable[[], None] = _no_watch  # starts listening for a disconnect
         self._buf = b""  # the start of an event whose end has not arrived yet
+        # the tapped relay (_tapped_relay): what its task is woken for
+        self._send: Send | None = None
+        self._poke: asyncio.Future[None] | None = None
+        self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None  # a send waiting
+        self._tap_broken: _StreamBroken | None = None
+        self._tap_error: BaseException | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -876,7 +894,8 @@ class _Relay:
         api = self.call.api
         try:
             if api.stream_from_chat is None:
-                await self._relay(send)
+                if not await self._tapped_relay(send):
+                    await self._relay(send)
             else:
                 request = self.call.record.agent_request
                 model = str(request.get("model") or "")
@@ -915,6 +934,102 @@ class _Relay:
                 self._watch()  # the first events are relayed (or a wait): hear a disconnect
         finally:
             await pieces.aclose()
+
+    async def _tapped_relay(self, send: Send) -> bool:
+        """The pass-through relay, run from upstream's read callback (the response is
+        tapped, :meth:`Response.tap`): each read's events are checked and written to the
+        agent right there (:meth:`piece`), with no task woken per read. This task only
+        waits, and steps in for what is not routine: a write that has to wait for the
+        agent to read (upstream is not read meanwhile), a broken stream, the end. False
+        (nothing done) when the body cannot be tapped (then :meth:`_relay` reads it)."""
+        loop = asyncio.get_running_loop()
+        response = self.opened.response
+        self._send = send
+        poke = self._poke = loop.create_future()
+        if not response.tap(self):  # the events that came with the head are relayed here
+            return False
+        try:
+            while True:
+                if not poke.done():
+                    self._watch()  # the first events are relayed: hear a disconnect
+                    await poke
+                poke = self._poke = loop.create_future()
+                if self._stalled is not None:
+                    call, pending = self._stalled
+                    self._stalled = None
+                    await resume(call, pending)
+                    response.resume()
+                if self._tap_error is not None:
+                    raise self._tap_error
+                broken = self._tap_broken
+                if broken is not None:
+                    if broken.before:  # pass on the events before the bad one
+                        await send(
+                            {"type": "http.response.body", "body": broken.before, "more_body": True}
+                        )
+                    raise broken
+                if self._complete:
+                    return True
+        finally:
+            response.untap()
+            if self._stalled is not None:
+                self._stalled[0].close()
+                self._stalled = None
+
+    def _wake(self) -> None:
+        poke = self._poke
+        if poke is not None and not poke.done():
+            poke.set_result(None)
+
+    def _push(self, body: bytes, more: bool) -> None:
+        """Send ``body`` to the agent from a callback: the send runs up to its end, which
+        it normally reaches at once; one that has to wait (the agent's socket is full)
+        is finished by the relay's task, and upstream is not read until it is."""
+        assert self._send is not None
+        sent = self._send({"type": "http.response.body", "body": body, "more_body": more})
+        call = sent if isinstance(sent, Coroutine) else _awaited(sent)
+        try:
+            pending = call.send(None)
+        except StopIteration:
+            return
+        except BaseException as exc:  # a bug: raised in the relay's task
+            self._tap_error = exc
+            self.opened.response.untap()
+            self._wake()
+            return
+        self.opened.response.pause()
+        self._stalled = (call, pending)
+        self._wake()
+
+    # BodySink: called from upstream's read callback while tapped
+
+    def piece(self, data: bytes) -> None:
+        if self._complete or self._tap_broken is not None or self._tap_error is not None:
+            return
+        try:
+            events, _ = self._take(data)
+        except _StreamBroken as exc:
+            self._tap_broken = exc
+            self.opened.response.untap()
+            self._wake()
+            return
+        if self._complete:  # [DONE] ends the agent's answer too: one write
+            self._relaying = False
+            self._ended = True
+            self._push(events, False)
+            self._wake()
+        elif events:
+            self._push(events, True)
+
+    def end(self) -> None:
+        if not self._complete and self._tap_broken is None:
+            self._tap_broken = self._ended_early()
+        self._wake()
+
+    def fail(self, exc: HTTPError) -> None:
+        if not self._complete and self._tap_broken is None:
+            self._tap_broken = self._broken(exc)
+        self._wake()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The chunks of the stream, checked, for a translator; stops after [DONE].

@@ -35,7 +35,7 @@ import socket
 import ssl as ssl_module
 import zlib
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 # --- errors -------------------------------------------------------------------------------
@@ -74,6 +74,7 @@ class Timeouts:
 
 
 _NO_BODY = frozenset({204, 304})
+_READER_LIMIT = 1 << 16  # asyncio's default stream reader limit
 _CUT = "the server closed the connection before the answer was complete"
 
 
@@ -178,13 +179,45 @@ class _ReadDeadline:
             self.disarm()
 
 
+class _Protocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, whose incoming bytes a :class:`Response` can tap
+    (:meth:`Response.tap`): while it does, they go straight to it from the event loop's
+    read callback instead of into the stream reader, and no task wakes up per read."""
+
+    tap: Response | None = None
+
+    def data_received(self, data: bytes) -> None:
+        tap = self.tap
+        if tap is None:
+            super().data_received(data)
+        else:
+            tap._tapped(data)
+
+    def eof_received(self) -> bool:
+        if self.tap is not None:
+            self.tap._tapped_end(None)
+        return bool(super().eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.tap is not None:
+            self.tap._tapped_end(exc)
+        super().connection_lost(exc)
+
+
 class _Connection:
-    __slots__ = ("key", "reader", "writer")
+    __slots__ = ("key", "protocol", "reader", "transport", "writer")
 
     def __init__(
-        self, key: tuple[str, str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        key: tuple[str, str, int],
+        transport: asyncio.Transport,
+        protocol: _Protocol,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> None:
         self.key = key
+        self.transport = transport
+        self.protocol = protocol
         self.reader = reader
         self.writer = writer
 
@@ -259,10 +292,18 @@ class Http1Pool:
             until = asyncio.get_running_loop().time() + self.timeouts.connect
         if deadline is not None and (until is None or deadline < until):
             until = deadline
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=_READER_LIMIT, loop=loop)
+        protocol = _Protocol(reader, loop=loop)
         try:
             async with asyncio.timeout_at(until):
-                reader, writer = await asyncio.open_connection(
-                    host, port, ssl=context, server_hostname=host if context else None
+                # what asyncio.open_connection does, with a protocol that can be tapped
+                transport, _ = await loop.create_connection(
+                    lambda: protocol,
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=host if context else None,
                 )
         except TimeoutError as exc:
             if until is not None and until == deadline:
@@ -274,10 +315,11 @@ class Http1Pool:
             ) from exc
         except (OSError, ssl_module.SSLError) as exc:
             raise ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
-        sock = writer.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return _Connection(key, reader, writer)
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        return _Connection(key, transport, protocol, reader, writer)
 
     def _checkout(self, key: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(key)
@@ -424,14 +466,15 @@ class Response:
         self._keep_alive = version == b"HTTP/1.1" and "close" not in connection
         self._length: int | None = None
         self._left = 0  # body bytes still to read, when framed by content-length
-        self._chunked = False
-        self._pending = b""  # chunked: bytes read past the last piece passed on
-        self._trailers = False  # chunked: the last chunk was read
-        self._body_read = False  # chunked: the end of the body was read (maybe not passed on)
+        self._chunks: _Dechunker | None = None  # a chunked body's framing, undone
+        self._sink: BodySink | None = None  # who taps the body (tap())
+        self._tap_timer: asyncio.TimerHandle | None = None
+        self._tap_last = 0.0  # loop time of the tap's last read
+        self._tap_paused = False
         if status in _NO_BODY or status < 200:
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
-            self._chunked = True
+            self._chunks = _Dechunker()
         elif "content-length" in headers:
             try:
                 self._length = self._left = int(headers["content-length"])
@@ -452,7 +495,7 @@ class Response:
 
     def ready(self) -> bool:
         """Whether body bytes arrived that were not passed on yet (a read returns now)."""
-        if self._pending or self._eof:
+        if self._eof or (self._chunks is not None and self._chunks.buffered()):
             return True
         conn = self._conn
         return conn is not None and bool(getattr(conn.reader, "_buffer", None))
@@ -517,64 +560,22 @@ class Response:
             timeout = self._pool.timeouts.read
             deadline: _ReadDeadline | None = None
             try:
-                if self._body_read:
-                    complete = True
-                    return
-                deadline = _ReadDeadline(timeout, until)
-                if self._chunked:
+                chunks = self._chunks
+                if chunks is not None:
                     # Every chunk already received goes out in one piece per read (one read,
                     # one timeout): a stream whose events arrive faster than they are relayed
                     # is passed on in fewer, larger pieces. What was read and not yet passed
-                    # on is kept on the response, for a reader that stops and reads on later.
-                    buf = self._pending
-                    pos = 0  # start of the next chunk's size line in buf
-                    trailers = self._trailers  # the last chunk was seen: skip to an empty line
+                    # on stays in ``chunks``, for a reader that stops and reads on later.
                     while True:
-                        out: list[bytes] = []
-                        while True:
-                            nl = buf.find(b"\n", pos)
-                            if nl < 0:
-                                if len(buf) - pos > _MAX_CHUNK_LINE:
-                                    raise RemoteProtocolError("a chunk header line is too long")
-                                break
-                            if trailers:
-                                empty = not buf[pos:nl].strip()
-                                pos = nl + 1
-                                if empty:  # the body ends here, and all of it was read
-                                    self._pending = b""
-                                    self._body_read = True
-                                    if out:
-                                        yield b"".join(out)
-                                    complete = True
-                                    return
-                                continue
-                            line = buf[pos:nl]
-                            try:
-                                hexa = line.split(b";", 1)[0] if b";" in line else line
-                                size = int(hexa.strip(), 16)
-                            except ValueError:
-                                raise RemoteProtocolError(
-                                    f"malformed chunk size line {line[:50]!r}"
-                                ) from None
-                            if size == 0:
-                                trailers = self._trailers = True
-                                pos = nl + 1
-                                continue
-                            end = nl + 1 + size
-                            if len(buf) < end + 2:
-                                break
-                            if batch:
-                                out.append(buf[nl + 1 : end])
-                                pos = end + 2
-                            else:  # one piece per chunk
-                                self._pending = buf[end + 2 :]
-                                yield buf[nl + 1 : end]
-                                buf, pos = self._pending, 0
-                        buf = self._pending = buf[pos:]
-                        pos = 0
-                        if out:
-                            yield out[0] if len(out) == 1 else b"".join(out)
-                            buf = self._pending
+                        piece = chunks.take(batch)
+                        if piece is not None:
+                            yield piece
+                            continue
+                        if chunks.done:  # the body ends here, and all of it was read
+                            complete = True
+                            return
+                        if deadline is None:
+                            deadline = _ReadDeadline(timeout, until)
                         # _ReadDeadline.read, inlined: the hot loop of a stream (A/B in one
                         # run, c=32 bursts: ~0.5 ms less added TTFT; GATEWAY_RESULTS.md)
                         deadline.arm()
@@ -587,13 +588,13 @@ class Response:
                         finally:
                             deadline.disarm()
                         if not data:
-                            if trailers:  # the server closed after the last chunk, before the end
+                            if chunks.trailers:  # closed after the last chunk, before the end
                                 complete = True
                                 return
-                            where = "in a chunk" if b"\n" in buf else "in a chunk header"
-                            raise RemoteProtocolError(f"{_CUT} ({where})")
-                        buf = self._pending = buf + data if buf else data
+                            raise RemoteProtocolError(f"{_CUT} ({chunks.where()})")
+                        chunks.add(data)
                 elif self._length is not None:
+                    deadline = _ReadDeadline(timeout, until)
                     while self._left > 0:
                         data = await deadline.read(reader, min(self._left, 1 << 16))
                         if not data:
@@ -604,6 +605,7 @@ class Response:
                         yield data
                     complete = True
                 else:
+                    deadline = _ReadDeadline(timeout, until)
                     while True:
                         data = await deadline.read(reader, 1 << 16)
                         if not data:
@@ -636,7 +638,139 @@ class Response:
                 self.close()
             raise
 
+    # --- tapping: the body from the connection's read callback --------------------------
+
+    def tap(self, sink: BodySink) -> bool:
+        """Hand the rest of a chunked body to ``sink`` as it arrives, from the event
+        loop's read callback: each read's complete chunks go to :meth:`BodySink.piece`
+        right there (no task wakes up, no generator steps, per read), then
+        :meth:`BodySink.end` once the body ended (the connection is back in the pool), or
+        :meth:`BodySink.fail` once if reading failed (the connection is closed; the read
+        timeout counts while the tap is not paused). What arrived already is handed over
+        before this returns.
+
+        False (and nothing done) when this body cannot be tapped (not chunked,
+        compressed, read or closed already): read :meth:`chunks` instead. A tap ends
+        with :meth:`untap` too, after which :meth:`chunks` reads on from where it left.
+        """
+        conn = self._conn
+        if conn is None or self._eof or self._chunks is None or self._decoder is not None:
+            return False
+        if self._sink is not None:
+            raise RuntimeError("this body is tapped already")
+        reader = conn.reader
+        self._sink = sink
+        conn.protocol.tap = self
+        self._tap_last = self._pool_loop().time()
+        self._tap_arm()
+        if reader._buffer:  # type: ignore[attr-defined]  # what arrived before the tap
+            read = reader.read(len(reader._buffer))  # type: ignore[attr-defined]
+            try:
+                read.send(None)
+            except StopIteration as got:  # buffered: no wait (and the transport resumed)
+                self._tapped(got.value)
+            else:  # cannot happen with bytes buffered; be safe
+                read.close()
+        if self._sink is sink and reader.at_eof():
+            self._tapped_end(reader.exception())
+        return True
+
+    def untap(self) -> None:
+        """End the tap (idempotent): bytes that arrive from now on wait in the stream
+        reader for :meth:`chunks`."""
+        if self._sink is None:
+            return
+        self._sink = None
+        if self._tap_timer is not None:
+            self._tap_timer.cancel()
+            self._tap_timer = None
+        conn = self._conn
+        if conn is not None:
+            conn.protocol.tap = None
+            if self._tap_paused:
+                self._tap_paused = False
+                conn.transport.resume_reading()
+
+    def pause(self) -> None:
+        """Stop reading while tapped (the sink cannot pass more on yet); the read timeout
+        does not count meanwhile."""
+        conn = self._conn
+        if self._sink is not None and conn is not None and not self._tap_paused:
+            self._tap_paused = True
+            conn.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read on after :meth:`pause`."""
+        conn = self._conn
+        if self._sink is not None and conn is not None and self._tap_paused:
+            self._tap_paused = False
+            self._tap_last = self._pool_loop().time()
+            self._tap_arm()
+            conn.transport.resume_reading()
+
+    def _pool_loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    def _tapped(self, data: bytes) -> None:
+        """The connection's read callback, while tapped."""
+        sink = self._sink
+        chunks = self._chunks
+        assert sink is not None
+        assert chunks is not None
+        self._tap_last = self._pool_loop().time()
+        chunks.add(data)
+        try:
+            piece = chunks.take(True)
+        except RemoteProtocolError as exc:
+            self._tap_fail(exc)
+            return
+        if piece is not None:
+            sink.piece(piece)  # which may untap or close this response
+        if chunks.done and self._sink is sink:
+            self.untap()
+            self._finish()
+            sink.end()
+
+    def _tapped_end(self, exc: Exception | None) -> None:
+        """The connection's EOF or loss, while tapped."""
+        sink = self._sink
+        chunks = self._chunks
+        assert sink is not None
+        assert chunks is not None
+        if exc is None and chunks.trailers:  # closed after the last chunk, before the end
+            self.untap()
+            self._finish()
+            sink.end()
+        elif exc is None:
+            self._tap_fail(RemoteProtocolError(f"{_CUT} ({chunks.where()})"))
+        else:
+            self._tap_fail(ReadError(f"reading the answer failed: {exc}"))
+
+    def _tap_fail(self, exc: HTTPError) -> None:
+        sink = self._sink
+        assert sink is not None
+        self.untap()
+        self.close()
+        sink.fail(exc)
+
+    def _tap_arm(self) -> None:
+        timeout = self._pool.timeouts.read
+        if timeout is not None and self._tap_timer is None:
+            self._tap_timer = self._pool_loop().call_at(self._tap_last + timeout, self._tap_check)
+
+    def _tap_check(self) -> None:
+        """The read timeout's timer, moved on lazily: the tap's last read sets when."""
+        self._tap_timer = None
+        timeout = self._pool.timeouts.read
+        if self._sink is None or self._tap_paused or timeout is None:
+            return
+        if self._pool_loop().time() < self._tap_last + timeout:
+            self._tap_arm()
+            return
+        self._tap_fail(ReadTimeout(f"the answer stalled for the read timeout ({timeout:g} s)"))
+
     def _finish(self) -> None:
+        self.untap()
         self._eof = True
         conn, self._conn = self._conn, None
         if conn is not None:
@@ -650,7 +784,7 @@ class Response:
         connection can be reused; if that fails or takes longer, the connection is closed."""
         if self._eof:
             return
-        if self._body_read:  # nothing left on the connection: no read, no timer
+        if self._chunks is not None and self._chunks.done:  # all read: no read, no timer
             self._finish()
             return
         try:
@@ -668,12 +802,100 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection now (idempotent); a pending read ends with an error."""
+        self.untap()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
 
 
+class BodySink(Protocol):
+    """Who taps a body (:meth:`Response.tap`); each method is called from the event
+    loop's read callback, so it must not block or await."""
+
+    def piece(self, data: bytes) -> None:
+        """The complete chunks of one read, joined (never empty)."""
+
+    def end(self) -> None:
+        """The body ended (called once; the tap is over)."""
+
+    def fail(self, exc: HTTPError) -> None:
+        """Reading the body failed (called once; the tap is over, the connection closed)."""
+
+
 _MAX_CHUNK_LINE = 1 << 16  # a chunk size line (or trailer) longer than this is refused
+
+
+class _Dechunker:
+    """A chunked body's framing, undone as its bytes arrive (whether a reader awaits
+    them or a tap is handed them): :meth:`add` what arrived, :meth:`take` what is
+    complete. Holds what arrived and was not taken yet."""
+
+    __slots__ = ("buf", "done", "pos", "trailers")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.pos = 0  # start of the next chunk's size line in buf
+        self.trailers = False  # the last chunk was seen: skip to an empty line
+        self.done = False  # the body's end was read
+
+    def add(self, data: bytes) -> None:
+        buf = self.buf
+        if self.pos:
+            buf = buf[self.pos :]
+            self.pos = 0
+        self.buf = buf + data if buf else data
+
+    def buffered(self) -> bool:
+        """Whether bytes arrived that were not taken, or the end."""
+        return self.done or len(self.buf) > self.pos
+
+    def where(self) -> str:
+        """Where a body cut short now was cut."""
+        return "in a chunk" if b"\n" in self.buf[self.pos :] else "in a chunk header"
+
+    def take(self, batch: bool) -> bytes | None:
+        """The next complete chunk's data, or with ``batch`` every complete chunk's
+        joined; None when none is complete."""
+        buf, pos = self.buf, self.pos
+        out: list[bytes] = []
+        try:
+            while not self.done:
+                nl = buf.find(b"\n", pos)
+                if nl < 0:
+                    if len(buf) - pos > _MAX_CHUNK_LINE:
+                        raise RemoteProtocolError("a chunk header line is too long")
+                    break
+                if self.trailers:
+                    empty = not buf[pos:nl].strip()
+                    pos = nl + 1
+                    if empty:
+                        self.done = True
+                    continue
+                line = buf[pos:nl]
+                try:
+                    hexa = line.split(b";", 1)[0] if b";" in line else line
+                    size = int(hexa.strip(), 16)
+                except ValueError:
+                    raise RemoteProtocolError(f"malformed chunk size line {line[:50]!r}") from None
+                if size == 0:
+                    self.trailers = True
+                    pos = nl + 1
+                    continue
+                end = nl + 1 + size
+                if len(buf) < end + 2:
+                    break
+                out.append(buf[nl + 1 : end])
+                pos = end + 2
+                if not batch:
+                    break
+        finally:
+            if pos >= len(buf):
+                self.buf, self.pos = b"", 0
+            else:
+                self.pos = pos
+        if not out:
+            return None
+        return out[0] if len(out) == 1 else b"".join(out)
 
 
 def _decoder(encoding: str) -> Any:
