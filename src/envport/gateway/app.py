@@ -567,15 +567,14 @@ class Gateway:
         except BaseException:
             call.done()
             raise
-        call.record.endpoint = opened.upstream.url(api.upstream_path)
-        call.record.attempts = [a.to_json() for a in opened.attempts]
-        call.record.status = opened.status
+        call.opened = opened  # its endpoint and tries are noted on the record in done()
         if stream and opened.status < 400:
             return _Relay(call, opened), call
         await opened.aclose()  # the body is read already
         return call.answer(opened), call
 
 
+_CALL_ID = CALL_ID_HEADER.encode()
 _WANTED_HEADERS = frozenset(
     {b"authorization", b"x-api-key", ROLLOUT_HEADER.encode(), SDK_RETRY_HEADER.encode()}
 )
@@ -654,7 +653,7 @@ class _Answer:
         self.headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (CALL_ID_HEADER.encode(), call_id.encode()),
+            (_CALL_ID, call_id.encode()),
         ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -672,6 +671,7 @@ class _Call:
     record: CallRecord
     raw: bytes  # the request as the agent sent it (its digest is taken in done())
     client_retry: int
+    opened: Opened | None = None  # upstream's answer, once it came
     _done: bool = False
 
     def fail(self, error: GatewayError, *, retryable: bool = True) -> None:
@@ -686,6 +686,11 @@ class _Call:
             return
         self._done = True
         gw = self.gateway
+        opened, record = self.opened, self.record
+        if opened is not None:  # noted now: nothing for the path to the first token
+            record.endpoint = opened.upstream.url(self.api.upstream_path)
+            record.attempts = [a.to_json() for a in opened.attempts]
+            record.status = opened.status
         try:
             # The digest (to tell an SDK's retry of this request) is taken now, after the
             # answer: hashing a long prompt is no work for the path to the first token.
@@ -776,8 +781,48 @@ def _no_watch() -> None:
     pass
 
 
-async def _awaited(awaitable: Awaitable[None]) -> None:
-    await awaitable
+async def _awaited(awaitable: Awaitable[Any]) -> Any:
+    return await awaitable
+
+
+class _Listener:
+    """``receive()`` awaited without a task of its own: the coroutine is stepped from
+    the callback of the future it waits on (as a task would step it, less the task's
+    creation, scheduling and cancellation), and ``heard`` gets the message it returns.
+    :meth:`stop` closes it. Used to hear an agent leave while its stream is relayed."""
+
+    __slots__ = ("_call", "_heard", "_waiting")
+
+    def __init__(self, receive: Receive, heard: Callable[[Message], None]) -> None:
+        call = receive()
+        self._call: Coroutine[Any, Any, Message] = (
+            call if isinstance(call, Coroutine) else _awaited(call)
+        )
+        self._heard = heard
+        self._waiting: asyncio.Future[Any] | None = None
+        self._step()
+
+    def _step(self, _: object = None) -> None:
+        self._waiting = None
+        try:
+            waiting = self._call.send(None)
+        except StopIteration as done:
+            self._heard(done.value)
+            return
+        except (Exception, asyncio.CancelledError):  # a failed receive(): nothing heard
+            return
+        if isinstance(waiting, asyncio.Future):
+            waiting._asyncio_future_blocking = False  # taken, as a task takes it
+            self._waiting = waiting
+            waiting.add_done_callback(self._step)
+        else:  # a bare yield (one turn of the loop)
+            asyncio.get_running_loop().call_soon(self._step)
+
+    def stop(self) -> None:
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            waiting.remove_done_callback(self._step)
+        self._call.close()
 
 
 class _Relay:
@@ -802,7 +847,7 @@ class _Relay:
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
-            (CALL_ID_HEADER.encode(), call.record.call_id.encode()),
+            (_CALL_ID, call.record.call_id.encode()),
         ]
         self.call = call
         self.opened = opened
@@ -826,21 +871,18 @@ class _Relay:
         assert task is not None
         client_gone = False
 
-        def heard(message: asyncio.Future[Message]) -> None:
+        def heard(message: Message) -> None:
             nonlocal client_gone
-            if message.cancelled() or message.exception() is not None:
-                return
-            if message.result()["type"] == "http.disconnect" and self._relaying:
+            if message["type"] == "http.disconnect" and self._relaying:
                 client_gone = True
                 task.cancel()
 
-        watcher: asyncio.Future[Message] | None = None
+        listener: _Listener | None = None
 
         def watch() -> None:
-            nonlocal watcher
-            if watcher is None:
-                watcher = asyncio.ensure_future(receive())
-                watcher.add_done_callback(heard)
+            nonlocal listener
+            if listener is None:
+                listener = _Listener(receive, heard)
 
         self._watch = watch
         try:
@@ -857,8 +899,8 @@ class _Relay:
         finally:
             self._relaying = False
             self._watch = _no_watch
-            if watcher is not None:
-                watcher.cancel()
+            if listener is not None:
+                listener.stop()
             if client_gone or not self._complete:
                 await self.opened.aclose()
             if client_gone and self.call.record.error is None:
@@ -869,14 +911,6 @@ class _Relay:
                 )
             self._record()
         try:
-            # Cancelled above, the watcher ends at the loop's next turn.
-            if watcher is not None and not watcher.done():
-                with contextlib.suppress(Exception):  # a failed receive() was heard as such
-                    try:
-                        await watcher
-                    except asyncio.CancelledError:
-                        if task.cancelling():  # this task was cancelled too, not just it
-                            raise
             if not client_gone and not self._ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -108,6 +108,10 @@ def serve_gateway(
             port=port,
             log_level=log_level,
             access_log=False,
+            # No X-Forwarded-* rewriting (the gateway never reads the client's address)
+            # and no Server header: work per request that nobody uses.
+            proxy_headers=False,
+            server_header=False,
             loop="auto",  # uvloop when installed (the ``fast`` extra)
             http="auto",  # httptools when installed
         )
