@@ -777,6 +777,9 @@ def _error_event(dialect: Dialect, message: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+_TAIL_WAIT_S = 1.0  # after [DONE], how long upstream's answer may take to end
+
+
 def _no_watch() -> None:
     pass
 
@@ -865,6 +868,7 @@ class _Relay:
         self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None  # a send waiting
         self._tap_broken: _StreamBroken | None = None
         self._tap_error: BaseException | None = None
+        self._tail_timer: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -1005,6 +1009,8 @@ class _Relay:
                 if self._complete:
                     return True
         finally:
+            if self._tail_timer is not None:
+                self._tail_timer.cancel()
             response.untap()
             if self._stalled is not None:
                 self._stalled[0].close()
@@ -1051,7 +1057,10 @@ class _Relay:
             self._relaying = False
             self._ended = True
             self._push(events, False)
-            self._wake()
+            # The task is woken once upstream's answer ended too (end(), normally the
+            # next read at most), with the connection back in the pool; or if that
+            # does not come soon, to end it.
+            self._tail_timer = asyncio.get_running_loop().call_later(_TAIL_WAIT_S, self._wake)
         elif events:
             self._push(events, True)
 
