@@ -16,6 +16,7 @@ import pytest
 from envport.gateway.http1 import (
     ConnectError,
     Http1Pool,
+    HTTPError,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -641,4 +642,154 @@ async def test_ready_tells_whether_body_bytes_are_waiting_to_be_read() -> None:
         assert [p async for p in response.chunks(batch=True)] == [b"ab"]
         assert response.at_eof()
         assert response.ready()  # at the end: a read returns at once
+        await pool.aclose()
+
+
+# --- tapping: the body from the connection's read callback ----------------------------------
+
+
+class Sink:
+    """Records what a tapped body hands over; ``over`` resolves at end() or fail()."""
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = []
+        self.over: asyncio.Future[HTTPError | None] = asyncio.get_running_loop().create_future()
+        self.calls = 0  # end() and fail() together
+
+    def piece(self, data: bytes) -> None:
+        assert not self.over.done()
+        self.pieces.append(data)
+
+    def end(self) -> None:
+        self.calls += 1
+        self.over.set_result(None)
+
+    def fail(self, exc: HTTPError) -> None:
+        self.calls += 1
+        self.over.set_result(exc)
+
+
+def scripted(*parts: bytes, gap_s: float = 0.05, then: str = "hold") -> Handler:
+    """Answers the first request with ``parts``, ``gap_s`` apart; ``then`` "hold" keeps
+    the connection (and answers later requests with a small JSON body), "close" closes
+    it, "reset" aborts it."""
+
+    async def handler(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
+    ) -> None:
+        await read_request(reader)
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(gap_s)
+            writer.write(part)
+            await writer.drain()
+        if then == "reset":
+            writer.transport.abort()
+        elif then == "hold":
+            while await read_request(reader):
+                writer.write(json_answer(b"{}"))
+                await writer.drain()
+
+    return handler
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_a_tapped_body_is_handed_over_as_it_arrives_and_the_connection_reused() -> None:
+    parts = (CHUNKED_HEAD + b"3\r\nabc\r\n", b"2\r\nde\r\n1\r\nf\r\n", b"0\r\n\r\n")
+    async with serve(scripted(*parts)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        await asyncio.sleep(0.01)  # the first chunk came with the head, or just after
+        sink = Sink()
+        assert response.tap(sink)
+        assert sink.pieces == [b"abc"]  # what had arrived is handed over at once
+        assert await asyncio.wait_for(sink.over, 5) is None
+        assert sink.pieces == [b"abc", b"def"]  # one piece per read: its chunks joined
+        assert response.at_eof()
+        assert pool.idle_connections() == 1
+        again = await pool.post(srv.url, b"{}", HEADERS)
+        assert await again.read() == b"{}"
+        assert srv.connections == 1
+        await asyncio.sleep(0.1)
+        assert sink.calls == 1
+        await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("parts", "then", "error", "message"),
+    [
+        ((CHUNKED_HEAD, b"3\r\nabc\r\nzz\r\n"), "hold", RemoteProtocolError, "chunk size"),
+        ((CHUNKED_HEAD, b"3\r\nabc\r\n5\r\nab"), "close", RemoteProtocolError, "in a chunk"),
+        ((CHUNKED_HEAD, b"3\r\nabc\r\n"), "reset", HTTPError, ""),
+        ((CHUNKED_HEAD, b"3\r\nabc\r\n"), "hold", ReadTimeout, "read timeout"),
+    ],
+    ids=["malformed", "cut", "reset", "stalled"],
+)
+async def test_a_tapped_body_that_fails_is_told_once_and_its_connection_dropped(
+    parts: tuple[bytes, ...], then: str, error: type[HTTPError], message: str
+) -> None:
+    async with serve(scripted(*parts, then=then)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=0.3))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        sink = Sink()
+        assert response.tap(sink)
+        failure = await asyncio.wait_for(sink.over, 5)
+        assert isinstance(failure, error)
+        assert message in str(failure)
+        assert sink.pieces == [b"abc"]  # what came before the failure was handed over
+        await asyncio.sleep(0.5)  # past another read timeout: nothing more is told
+        assert sink.calls == 1
+        assert pool.idle_connections() == 0
+        await pool.aclose()
+
+
+async def test_a_server_closing_after_the_last_chunk_ends_a_tapped_body() -> None:
+    async with serve(scripted(CHUNKED_HEAD + b"3\r\nabc\r\n", b"0\r\n", then="close")) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        sink = Sink()
+        assert response.tap(sink)
+        assert await asyncio.wait_for(sink.over, 5) is None
+        assert b"".join(sink.pieces) == b"abc"
+        assert pool.idle_connections() == 0  # closed by the server: not kept
+        await pool.aclose()
+
+
+async def test_a_paused_tap_reads_nothing_and_the_rest_can_be_read_after_untap() -> None:
+    parts = (CHUNKED_HEAD + b"1\r\na\r\n", b"1\r\nb\r\n", b"1\r\nc\r\n0\r\n\r\n")
+    async with serve(scripted(*parts, gap_s=0.1)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=0.3))
+        response = await pool.post(srv.url, b"{}", HEADERS)
+        await asyncio.sleep(0.02)
+        sink = Sink()
+        assert response.tap(sink)
+        assert sink.pieces == [b"a"]
+        response.pause()
+        await asyncio.sleep(0.5)  # the rest arrives meanwhile; paused, no read timeout
+        assert sink.pieces == [b"a"]
+        assert not sink.over.done()
+        response.untap()  # reading goes on without the tap
+        rest = [piece async for piece in response.chunks(batch=True)]
+        assert b"".join(rest) == b"bc"
+        assert sink.pieces == [b"a"]
+        assert not sink.over.done()
+        assert pool.idle_connections() == 1
+        await pool.aclose()
+
+
+async def test_only_a_plain_chunked_body_can_be_tapped() -> None:
+    gzipped = gzip.compress(b"abc")
+    answers = (
+        json_answer(b"{}"),
+        CHUNKED_HEAD[:-2]
+        + b"content-encoding: gzip\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(gzipped), gzipped),
+    )
+    async with serve(answering(*answers)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        for expected in (b"{}", b"abc"):
+            response = await pool.post(srv.url, b"{}", HEADERS)
+            assert not response.tap(Sink())
+            assert await response.read() == expected  # read as usual instead
         await pool.aclose()

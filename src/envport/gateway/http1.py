@@ -194,14 +194,15 @@ class _Protocol(asyncio.StreamReaderProtocol):
             tap._tapped(data)
 
     def eof_received(self) -> bool:
+        keep_open = bool(super().eof_received())  # the reader knows first: not reusable
         if self.tap is not None:
             self.tap._tapped_end(None)
-        return bool(super().eof_received())
+        return keep_open
 
     def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
         if self.tap is not None:
             self.tap._tapped_end(exc)
-        super().connection_lost(exc)
 
 
 class _Connection:
@@ -726,6 +727,9 @@ class Response:
             return
         if piece is not None:
             sink.piece(piece)  # which may untap or close this response
+            if chunks.error is not None and self._sink is sink:
+                self._tap_fail(chunks.error)
+                return
         if chunks.done and self._sink is sink:
             self.untap()
             self._finish()
@@ -830,13 +834,14 @@ class _Dechunker:
     them or a tap is handed them): :meth:`add` what arrived, :meth:`take` what is
     complete. Holds what arrived and was not taken yet."""
 
-    __slots__ = ("buf", "done", "pos", "trailers")
+    __slots__ = ("buf", "done", "error", "pos", "trailers")
 
     def __init__(self) -> None:
         self.buf = b""
         self.pos = 0  # start of the next chunk's size line in buf
         self.trailers = False  # the last chunk was seen: skip to an empty line
         self.done = False  # the body's end was read
+        self.error: RemoteProtocolError | None = None  # met after chunks still to take
 
     def add(self, data: bytes) -> None:
         buf = self.buf
@@ -855,7 +860,10 @@ class _Dechunker:
 
     def take(self, batch: bool) -> bytes | None:
         """The next complete chunk's data, or with ``batch`` every complete chunk's
-        joined; None when none is complete."""
+        joined; None when none is complete. Bad framing raises
+        :class:`RemoteProtocolError`, once the complete chunks before it were taken."""
+        if self.error is not None:
+            raise self.error
         buf, pos = self.buf, self.pos
         out: list[bytes] = []
         try:
@@ -863,7 +871,7 @@ class _Dechunker:
                 nl = buf.find(b"\n", pos)
                 if nl < 0:
                     if len(buf) - pos > _MAX_CHUNK_LINE:
-                        raise RemoteProtocolError("a chunk header line is too long")
+                        self.error = RemoteProtocolError("a chunk header line is too long")
                     break
                 if self.trailers:
                     empty = not buf[pos:nl].strip()
@@ -876,7 +884,8 @@ class _Dechunker:
                     hexa = line.split(b";", 1)[0] if b";" in line else line
                     size = int(hexa.strip(), 16)
                 except ValueError:
-                    raise RemoteProtocolError(f"malformed chunk size line {line[:50]!r}") from None
+                    self.error = RemoteProtocolError(f"malformed chunk size line {line[:50]!r}")
+                    break
                 if size == 0:
                     self.trailers = True
                     pos = nl + 1
@@ -894,6 +903,8 @@ class _Dechunker:
             else:
                 self.pos = pos
         if not out:
+            if self.error is not None:
+                raise self.error
             return None
         return out[0] if len(out) == 1 else b"".join(out)
 
