@@ -777,9 +777,6 @@ def _error_event(dialect: Dialect, message: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
-_TAIL_WAIT_S = 1.0  # after [DONE], how long upstream's answer may take to end
-
-
 def _no_watch() -> None:
     pass
 
@@ -868,7 +865,7 @@ class _Relay:
         self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None  # a send waiting
         self._tap_broken: _StreamBroken | None = None
         self._tap_error: BaseException | None = None
-        self._tail_timer: asyncio.TimerHandle | None = None
+        self._final = b""  # the events up to [DONE], for the task to send
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -1007,10 +1004,14 @@ class _Relay:
                         )
                     raise broken
                 if self._complete:
+                    # [DONE] ends the agent's answer too (one write), sent from this task
+                    # like the end of any answer: its cleanup follows at once, before
+                    # the agent, told it is done, sends its next request.
+                    self._relaying = False
+                    self._ended = True
+                    await send({"type": "http.response.body", "body": self._final})
                     return True
         finally:
-            if self._tail_timer is not None:
-                self._tail_timer.cancel()
             response.untap()
             if self._stalled is not None:
                 self._stalled[0].close()
@@ -1053,14 +1054,9 @@ class _Relay:
             self.opened.response.untap()
             self._wake()
             return
-        if self._complete:  # [DONE] ends the agent's answer too: one write
-            self._relaying = False
-            self._ended = True
-            self._push(events, False)
-            # The task is woken once upstream's answer ended too (end(), normally the
-            # next read at most), with the connection back in the pool; or if that
-            # does not come soon, to end it.
-            self._tail_timer = asyncio.get_running_loop().call_later(_TAIL_WAIT_S, self._wake)
+        if self._complete:  # the task sends [DONE] with the end of the agent's answer
+            self._final = events
+            self._wake()
         elif events:
             self._push(events, True)
 

@@ -672,8 +672,8 @@ class Response:
                 self._tapped(got.value)
             else:  # cannot happen with bytes buffered; be safe
                 read.close()
-        if self._sink is sink and reader.at_eof():
-            self._tapped_end(reader.exception())
+        if self._sink is sink and (reader.at_eof() or reader.exception() is not None):
+            self._tapped_end(reader.exception())  # it ended (or broke) before the tap
         return True
 
     def untap(self) -> None:
