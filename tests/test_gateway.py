@@ -1325,10 +1325,16 @@ async def test_events_that_arrive_together_are_all_relayed_and_recorded(serve: A
     assert call.response["choices"][0]["message"]["content"] == "Hello"
 
 
-async def test_a_bad_event_after_good_ones_in_one_read_ends_the_stream_after_them(
-    serve: Any,
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [(b"data: {not json\n\ndata: [DONE]\n\n", "not JSON"), (b"", "before [DONE]")],
+    ids=["bad-event", "no-done"],
+)
+async def test_a_stream_that_goes_wrong_after_good_events_ends_with_an_error_after_them(
+    serve: Any, tail: bytes, message: str
 ) -> None:
-    with serve_in_thread(_one_piece_upstream(b"data: {not json\n\ndata: [DONE]\n\n")) as up:
+    # A bad event after good ones in the same read, or the body ending without [DONE].
+    with serve_in_thread(_one_piece_upstream(tail)) as up:
         served: Served = serve([f"{up}/v1"])
         ro = await served.rollout()
         seen: list[Any] = []
@@ -1337,32 +1343,13 @@ async def test_a_bad_event_after_good_ones_in_one_read_ends_the_stream_after_the
             with pytest.raises(openai.APIError) as info:
                 await collect(stream, seen)
         assert [c.choices[0].delta.content for c in seen] == ["Hel", "lo"]
-        assert "not JSON" in info.value.message
+        assert message in info.value.message
         [call] = await served.calls(ro["rollout_id"])
         await served.admin.aclose()
     assert call.error is not None
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
-    assert "not JSON" in call.error.message
+    assert message in call.error.message
     assert call.choices[0].completion_token_ids == [1, 2, 3]  # what came before is kept
-
-
-async def test_a_stream_ending_without_done_ends_with_an_error_event(serve: Any) -> None:
-    with serve_in_thread(_one_piece_upstream(b"")) as up:
-        served: Served = serve([f"{up}/v1"])
-        ro = await served.rollout()
-        seen: list[Any] = []
-        async with served.client(ro) as client:
-            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
-            with pytest.raises(openai.APIError) as info:
-                await collect(stream, seen)
-        assert [c.choices[0].delta.content for c in seen] == ["Hel", "lo"]
-        assert "before [DONE]" in info.value.message
-        [call] = await served.calls(ro["rollout_id"])
-        await served.admin.aclose()
-    assert call.error is not None
-    assert call.error.kind is ErrorKind.MODEL_PROVIDER
-    assert "before [DONE]" in call.error.message
-    assert call.choices[0].completion_token_ids == [1, 2, 3]
 
 
 def _flood_upstream(events: int, sent: list[int], *, gzip: bool = False) -> Starlette:

@@ -840,6 +840,10 @@ class _Relay:
     request closed and the call recorded as cut by the client. That ``receive()`` starts
     once the first events are relayed, or as soon as the relay has to wait for upstream:
     when the first events arrived with the answer's head, they go out first.
+
+    A pass-through stream is relayed from upstream's read callback
+    (:meth:`_tapped_relay`); a translated or compressed one by this task reading it
+    piece by piece (:meth:`_relay`, :meth:`_chunks`).
     """
 
     def __init__(self, call: _Call, opened: Opened) -> None:
