@@ -14,6 +14,10 @@ of the connection; ``gzip``/``deflate`` bodies are decoded (the gateway asks for
 ``identity``, but a server may compress anyway); ``http`` and ``https``. No HTTP/2, no
 proxies, no redirects (a 3xx is an answer like any other).
 
+**Tapping** (:meth:`Response.tap`): a chunked body can be handed to a sink from the
+connection's own read callback instead of being awaited piece by piece, so a relay does
+no task switch per read (the gateway's streams); the sink can pause reading.
+
 **Connections** are kept alive per ``(scheme, host, port)`` and reused when a response
 was read to its end and the server did not ask to close. A pooled connection the server
 closed while it sat idle is noticed before use; if the server closes it just as a request
