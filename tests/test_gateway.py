@@ -303,6 +303,18 @@ async def test_stream_chunks_are_relayed_as_they_arrive(serve: Any) -> None:
     assert call.metadata["logprobs"] == "missing"
 
 
+def _stream_request(served: Served, ro: dict[str, Any]) -> tuple[str, int, bytes]:
+    """(host, port, the bytes of a streamed chat call for rollout ``ro``)."""
+    host, port = served.url.removeprefix("http://").split(":")
+    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
+    request = (
+        f"POST /rollouts/{ro['rollout_id']}/v1/chat/completions HTTP/1.1\r\n"
+        f"host: {host}\r\nauthorization: Bearer {ro['token']}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    return host, int(port), request
+
+
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     """One chunked HTTP/1.1 response body, read to its terminating chunk."""
     head = await reader.readuntil(b"\r\n\r\n")
@@ -321,14 +333,8 @@ async def test_a_stream_ends_with_done_and_a_complete_answer_on_a_kept_connectio
     # [DONE] and the end of the chunked answer go out together; the agent's connection
     # stays usable for its next call, and a finished stream is not taken for a cut one.
     ro = await gw.rollout()
-    host, port = gw.url.removeprefix("http://").split(":")
-    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
-    request = (
-        f"POST /rollouts/{ro['rollout_id']}/v1/chat/completions HTTP/1.1\r\n"
-        f"host: {host}\r\nauthorization: Bearer {ro['token']}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    reader, writer = await asyncio.open_connection(host, int(port))
+    host, port, request = _stream_request(gw, ro)
+    reader, writer = await asyncio.open_connection(host, port)
     try:
         for _ in range(2):
             writer.write(request)
@@ -1384,20 +1390,14 @@ async def _raw_stream_request(
     served: Served, ro: dict[str, Any], *, rcvbuf: int | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A streamed chat call sent on a plain socket (the answer is left to read)."""
-    host, port = served.url.removeprefix("http://").split(":")
+    host, port, request = _stream_request(served, ro)
     sock = socket.socket()
     if rcvbuf is not None:  # a small window: the gateway's writes to it soon wait
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    await asyncio.get_running_loop().sock_connect(sock, (host, port))
     reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 22)
-    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
-    writer.write(
-        f"POST /rollouts/{ro['rollout_id']}/v1/chat/completions HTTP/1.1\r\n"
-        f"host: {host}\r\nauthorization: Bearer {ro['token']}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
+    writer.write(request)
     return reader, writer
 
 
