@@ -140,7 +140,7 @@ def serve() -> Iterator[Any]:
     def start(urls: list[str], **kwargs: Any) -> Served:
         kwargs.setdefault("retry", FAST_RETRY)
         gateway = Gateway(urls, **kwargs)
-        url = stack.enter_context(serve_in_thread(create_gateway_app(gateway)))
+        url = stack.enter_context(serve_in_thread(create_gateway_app(gateway), lean=True))
         served.append(Served(gateway, url))
         return served[-1]
 
@@ -1007,7 +1007,11 @@ async def test_records_are_built_when_read_with_the_latency_of_the_call(gw: Serv
         t0 = time.perf_counter()
         await client.chat.completions.create(model="m", messages=ASK)
         elapsed = time.perf_counter() - t0
-    assert len(rollout._pending) == 1  # noted on the response path, not built
+
+    async def noted() -> bool:  # right after the answer is written (in the server's thread)
+        return len(rollout._pending) == 1
+
+    await wait_for(noted)  # noted on the response path, not built
     await asyncio.sleep(0.2)
     [call] = await gw.calls(ro["rollout_id"])
     assert not rollout._pending

@@ -431,7 +431,7 @@ async def test_mini_swe_agent_through_the_gateway_has_every_call_recorded(
         gateway = gateway_app.Gateway(
             [f"{upstream}/v1"], policy=GatewayPolicy(request_token_ids=True)
         )
-        with serve_in_thread(gateway_app.create_gateway_app(gateway)) as url:
+        with serve_in_thread(gateway_app.create_gateway_app(gateway), lean=True) as url:
             admin = {"Authorization": f"Bearer {gateway.orchestrator_token}"}
             async with httpx.AsyncClient(base_url=url, headers=admin) as http:
                 created = await http.post("/admin/rollouts", json={"task_id": task.id})

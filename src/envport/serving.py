@@ -7,6 +7,7 @@ The context manager owns the thread and joins it on exit; nothing is left runnin
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -30,12 +31,18 @@ def serve_in_thread(
     port: int | None = None,
     config: Any = None,
     startup_timeout_s: float = 30.0,
+    lean: bool = False,
 ) -> Iterator[str]:
     """Run ``app`` on uvicorn in a thread; yields ``http://HOST:PORT``.
 
     ``config`` is an envport ``ServerConfig`` for environment servers (frame limits, …);
-    other apps get uvicorn's defaults.
+    other apps get uvicorn's defaults. ``lean=True`` serves with envport's own HTTP/1.1
+    server instead (:mod:`envport.gateway.front`, what ``envport gateway`` runs).
     """
+    if lean:
+        with _serve_lean_in_thread(app, host, port or 0, startup_timeout_s) as url:
+            yield url
+        return
     import uvicorn
 
     port = port or free_port(host)
@@ -59,3 +66,52 @@ def serve_in_thread(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def _serve_lean_in_thread(
+    app: Any, host: str, port: int, startup_timeout_s: float
+) -> Iterator[str]:
+    import asyncio
+
+    from envport.gateway.front import serve_asgi
+
+    bound: list[int] = []
+    ready = threading.Event()
+    failed: list[BaseException] = []
+    loop = asyncio.new_event_loop()
+    stop: list[asyncio.Event] = []
+
+    async def main() -> None:
+        stop.append(asyncio.Event())
+
+        def up(p: int) -> None:
+            bound.append(p)
+            ready.set()
+
+        await serve_asgi(app, host, port, stop=stop[0], ready=up)
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:  # startup failed: told to the caller
+            failed.append(exc)
+        finally:
+            ready.set()
+            loop.close()
+
+    thread = threading.Thread(target=run, name=f"envport-serve-{port}", daemon=True)
+    thread.start()
+    if not ready.wait(startup_timeout_s) or not bound:
+        if stop:
+            loop.call_soon_threadsafe(stop[0].set)
+        raise RuntimeError(f"server on {host}:{port} did not start") from (
+            failed[0] if failed else None
+        )
+    try:
+        yield f"http://{host}:{bound[0]}"
+    finally:
+        if thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loop.call_soon_threadsafe(stop[0].set)
+        thread.join(timeout=60)

@@ -7,14 +7,18 @@ The orchestrator token comes from ``orchestrator_token``, else the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from envport.gateway.app import Gateway, create_gateway_app
 from envport.gateway.capture import GatewayPolicy
+from envport.gateway.front import serve_asgi
 from envport.gateway.upstream import RetryPolicy
 from envport.trace.store import SQLiteTraceStore
 
@@ -67,8 +71,7 @@ def serve_gateway(
     ``upstreams`` are OpenAI-compatible base URLs ending in ``/v1``; ``store`` a SQLite
     file where finished rollouts land as traces.
     """
-    import uvicorn
-
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     given = orchestrator_token or os.environ.get(TOKEN_ENV)
     gateway = build_gateway(
         upstreams,
@@ -102,22 +105,23 @@ def serve_gateway(
     # besides the loop, the extra switches cost next to nothing.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            access_log=False,
-            # No X-Forwarded-* rewriting (the gateway never reads the client's address)
-            # and no Server header: work per request that nobody uses.
-            proxy_headers=False,
-            server_header=False,
-            loop="auto",  # uvloop when installed (the ``fast`` extra)
-            http="auto",  # httptools when installed
-        )
+        # envport's own HTTP/1.1 server (envport.gateway.front): per request it does only
+        # what HTTP needs, which under bursts of agents is most of the gateway's own
+        # share of the time to first token (bench/GATEWAY_RESULTS.md).
+        _run(serve_asgi(app, host, port))
     finally:
         if gateway.store is not None:
             gateway.store.store.close()
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop when installed (the ``fast`` extra), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

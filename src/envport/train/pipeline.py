@@ -240,7 +240,7 @@ def serve_stack(policy: TorchPolicy, store_path: Path) -> Iterator[Stack]:
         store = SQLiteTraceStore(store_path)
         stack.callback(store.close)
         gateway = Gateway([f"{policy_url}/v1"], store=store, policy_version=policy.version)
-        gateway_url = stack.enter_context(serve_in_thread(create_gateway_app(gateway)))
+        gateway_url = stack.enter_context(serve_in_thread(create_gateway_app(gateway), lean=True))
         config = ServerConfig()
         env_url = stack.enter_context(serve_in_thread(create_app(ENV_ID, config), config=config))
         yield Stack(policy_url, gateway_url, gateway.orchestrator_token, env_url, store_path)

@@ -1,0 +1,556 @@
+"""A lean HTTP/1.1 server for ASGI apps: what ``envport gateway`` serves with.
+
+The gateway's model calls are small requests whose answers wait on a model; what the
+server does per request is on the path to every agent's first token, and under bursts
+(a whole batch of agents asking at once) each request waits for the server's work on
+the requests ahead of it. This server does per request only what HTTP/1.1 needs:
+
+* the request is parsed by httptools (llhttp) and handed to the app once complete, with
+  its body (bounded by ``max_body``, else ``413``): ``receive()`` answers it at once and
+  then waits only for a disconnect;
+* ``send()`` writes each message to the socket as it comes (the head at once, bodies
+  chunked unless the app gave a length) and waits only when the socket's buffer is full;
+* keep-alive connections idle longer than ``keep_alive_s`` are closed by one sweep per
+  second, not by a timer per request; pipelined requests wait for the answer before them.
+
+What it does not do (the gateway needs none of it): WebSockets and other upgrades
+(``400``), TLS (put it behind a TLS-terminating proxy), HTTP/2. It runs the app's
+``lifespan`` (startup before the first connection, shutdown after the last) and shuts
+down gracefully on SIGINT/SIGTERM: it stops accepting, closes idle connections, lets
+answers in progress finish for up to ``grace_s``, then closes the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import logging
+import signal
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
+from http import HTTPStatus
+from typing import Any
+
+import httptools
+
+_log = logging.getLogger("envport.gateway.front")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[
+    [Scope, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
+    Awaitable[None],
+]
+
+MAX_BODY = 64 * 1024 * 1024
+KEEP_ALIVE_S = 5.0
+GRACE_S = 30.0
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
+_NO_BODY_STATUSES = frozenset({204, 304})
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d \r\n" % status
+    return line
+
+
+class _Clock:
+    """The ``date`` header, made once a second."""
+
+    __slots__ = ("header", "second")
+
+    def __init__(self) -> None:
+        self.second = 0
+        self.header = b""
+
+    def date(self) -> bytes:
+        now = int(time.time())
+        if now != self.second:
+            self.second = now
+            self.header = b"date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+        return self.header
+
+
+class _Server:
+    """What every connection shares: the app, limits, the live connections."""
+
+    def __init__(
+        self, app: ASGIApp, *, max_body: int, keep_alive_s: float, state: dict[str, Any]
+    ) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.keep_alive_s = keep_alive_s
+        self.state = state
+        self.clock = _Clock()
+        self.connections: set[_Http11] = set()
+        self.closing = False
+        self.all_closed = asyncio.Event()  # set once closing and no connection is left
+
+    def sweep(self) -> None:
+        """Close keep-alive connections idle for longer than ``keep_alive_s``."""
+        cutoff = time.monotonic() - self.keep_alive_s
+        for conn in list(self.connections):
+            if conn.exchange is None and conn.idle_since < cutoff:
+                conn.transport.close()
+
+
+class _Exchange:
+    """One request and its answer: the ``receive`` and ``send`` the app is given."""
+
+    __slots__ = (
+        "body",
+        "chunked",
+        "complete",
+        "conn",
+        "gone",
+        "head_only",
+        "keep_alive",
+        "left",
+        "read",
+        "started",
+        "status",
+    )
+
+    def __init__(self, conn: _Http11, body: bytes, keep_alive: bool, head_only: bool) -> None:
+        self.conn = conn
+        self.body = body
+        self.keep_alive = keep_alive
+        self.head_only = head_only
+        self.read = False
+        self.started = False
+        self.complete = False
+        self.chunked = False
+        self.left = 0  # bytes still owed of a response with a content-length
+        self.status = 0
+        self.gone: asyncio.Future[None] | None = None
+
+    async def receive(self) -> Message:
+        if not self.read:
+            self.read = True
+            return {"type": "http.request", "body": self.body, "more_body": False}
+        if not self.complete and not self.conn.lost:
+            gone = self.gone
+            if gone is None or gone.cancelled():
+                gone = self.gone = self.conn.loop.create_future()
+            await gone  # the client left, or the answer is complete
+        return {"type": "http.disconnect"}
+
+    def over(self) -> None:
+        """The client left or the answer is complete: a waiting ``receive()`` returns."""
+        gone = self.gone
+        if gone is not None and not gone.done():
+            gone.set_result(None)
+
+    async def send(self, message: Message) -> None:
+        conn = self.conn
+        if conn.lost:
+            return  # the client left: nothing to write to (its disconnect was told)
+        if not self.started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError(f"Expected 'http.response.start', got {message['type']!r}")
+            head = self._head(message["status"], message.get("headers", ()))
+            self.started = True
+            conn.transport.write(head)
+            return
+        if self.complete:
+            raise RuntimeError(f"Unexpected {message['type']!r} after the response completed")
+        if message["type"] != "http.response.body":
+            raise RuntimeError(f"Expected 'http.response.body', got {message['type']!r}")
+        body = message.get("body", b"")
+        more = message.get("more_body", False)
+        if self.head_only:
+            pass
+        elif self.chunked:
+            if body:
+                if more:
+                    conn.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+                else:
+                    conn.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            elif not more:
+                conn.transport.write(b"0\r\n\r\n")
+        else:
+            if len(body) > self.left:
+                raise RuntimeError("Response content longer than its Content-Length")
+            self.left -= len(body)
+            if body:
+                conn.transport.write(body)
+            if not more and self.left:
+                raise RuntimeError("Response content shorter than its Content-Length")
+        if not more:
+            self.complete = True
+            conn.answered(self)
+        elif conn.paused:
+            await conn.drained()
+
+    def _head(self, status: int, headers: Any) -> bytes:
+        self.status = status
+        parts = [_status_line(status), self.conn.server.clock.date()]
+        length: int | None = None
+        for name, value in headers:
+            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
+                raise RuntimeError(f"Invalid HTTP header {name!r}: {value!r}")
+            lower = name.lower()
+            if lower == b"content-length":
+                length = int(value)
+            elif lower == b"transfer-encoding":
+                continue  # the server frames the body itself
+            elif lower == b"connection" and b"close" in value.lower():
+                self.keep_alive = False
+                continue
+            parts += (name, b": ", value, b"\r\n")
+        if length is not None:
+            self.left = 0 if self.head_only else length
+        elif not self.head_only and status not in _NO_BODY_STATUSES and status >= 200:
+            self.chunked = True
+            parts.append(b"transfer-encoding: chunked\r\n")
+        if not self.keep_alive or self.conn.server.closing:
+            self.keep_alive = False
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+
+class _Http11(asyncio.Protocol):
+    """One client connection."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.addresses: tuple[Any, Any] = (None, None)
+        self.exchange: _Exchange | None = None
+        self.pipeline: deque[tuple[Scope, bytes, bool]] = deque()
+        self.lost = False
+        self.paused = False
+        self.resumed: asyncio.Future[None] | None = None
+        self.idle_since = time.monotonic()
+        self.task: asyncio.Task[None] | None = None
+        # the request being parsed
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.size = 0
+        self.refused = False  # answered without the app (and closing): the rest is ignored
+
+    # --- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.addresses = (
+            _address(transport.get_extra_info("sockname")),
+            _address(transport.get_extra_info("peername")),
+        )
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        server = self.server
+        server.connections.discard(self)
+        if server.closing and not server.connections:
+            server.all_closed.set()
+        if self.exchange is not None:
+            self.exchange.over()
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(None)
+
+    def eof_received(self) -> None:
+        # A client that shuts its side has left (HTTP clients do not half-close to wait
+        # for an answer): the transport closes, and an answer in progress hears it.
+        return None
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.resumed is not None and not self.resumed.done():
+            self.resumed.set_result(None)
+
+    async def drained(self) -> None:
+        if self.resumed is None or self.resumed.done():
+            self.resumed = self.loop.create_future()
+        await asyncio.shield(self.resumed)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        self.idle_since = time.monotonic()  # a request arriving slowly is not idle
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "Upgrades (WebSocket, h2c) are not served here.")
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"Invalid HTTP request: {exc}")
+
+    # --- httptools callbacks ----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.url = b""
+        self.headers = []
+        self.body = []
+        self.size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        if self.parser.should_upgrade():
+            self._refuse(400, "Upgrades (WebSocket, h2c) are not served here.")
+            return
+        for name, value in self.headers:
+            if name == b"content-length" and value.isdigit():
+                if int(value) > self.server.max_body:
+                    self._too_large()
+                    return
+            elif name == b"expect" and value.lower() == b"100-continue":
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self.refused:
+            return
+        self.size += len(body)
+        if self.size > self.server.max_body:
+            self._too_large()
+        else:
+            self.body.append(body)
+
+    def _too_large(self) -> None:
+        limit = self.server.max_body
+        self._refuse(413, f"The request body is larger than this server takes ({limit} bytes).")
+        self.body = []
+
+    def on_message_complete(self) -> None:
+        if self.refused:
+            return
+        parser = self.parser
+        parsed = httptools.parse_url(self.url)
+        raw_path = parsed.path
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        version = parser.get_http_version()
+        server, client = self.addresses
+        scope = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": version,
+            "server": server,
+            "client": client,
+            "scheme": "http",
+            "method": parser.get_method().decode("ascii"),
+            "root_path": "",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": parsed.query or b"",
+            "headers": self.headers,
+            "state": self.server.state.copy(),
+        }
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        keep_alive = parser.should_keep_alive() and not self.server.closing
+        if self.exchange is None:
+            self._start(scope, body, keep_alive)
+        else:  # pipelined: answered in order, once the answer before it is complete
+            self.pipeline.append((scope, body, keep_alive))
+            self.transport.pause_reading()
+
+    # --- exchanges --------------------------------------------------------------------
+
+    def _start(self, scope: Scope, body: bytes, keep_alive: bool) -> None:
+        exchange = _Exchange(self, body, keep_alive, scope["method"] == "HEAD")
+        self.exchange = exchange
+        self.task = self.loop.create_task(self._run(scope, exchange))
+
+    async def _run(self, scope: Scope, exchange: _Exchange) -> None:
+        try:
+            await self.server.app(scope, exchange.receive, exchange.send)
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                _log.exception("the app failed on %s %s", scope["method"], scope["path"])
+            if not exchange.started and not self.lost:
+                exchange.keep_alive = False
+                self._answer_plain(500, "Internal Server Error", close=True)
+            else:
+                self.transport.close()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        finally:
+            self.task = None
+        if not exchange.complete and not self.lost:
+            if not exchange.started:
+                _log.error("the app sent no response to %s %s", scope["method"], scope["path"])
+                self._answer_plain(500, "Internal Server Error", close=True)
+            else:  # an answer begun and never finished: the client must not wait for it
+                _log.error(
+                    "the app left its response to %s %s unfinished", scope["method"], scope["path"]
+                )
+                self.transport.close()
+
+    def answered(self, exchange: _Exchange) -> None:
+        """The response is complete: next request, idle, or close."""
+        self.exchange = None
+        exchange.over()  # its receive() says disconnect from now on
+        if not exchange.keep_alive or self.server.closing:
+            self.transport.close()
+            return
+        if self.pipeline:
+            scope, body, keep_alive = self.pipeline.popleft()
+            if not self.pipeline:
+                self.transport.resume_reading()
+            self._start(scope, body, keep_alive)
+            return
+        self.idle_since = time.monotonic()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request the app never sees, and close the connection."""
+        if self.refused:
+            return
+        self.refused = True
+        if self.exchange is not None:  # an answer is due first: it cannot be kept in order
+            self.transport.close()
+            return
+        self._answer_plain(status, message, close=True)
+
+    def _answer_plain(self, status: int, message: str, *, close: bool) -> None:
+        body = message.encode()
+        self.transport.write(
+            b"%s%scontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s"
+            % (_status_line(status), self.server.clock.date(), len(body), body)
+        )
+        if close:
+            self.transport.close()
+
+    def shutdown(self) -> None:
+        """Close now if idle; else once the answer in progress is complete."""
+        if self.exchange is None:
+            self.transport.close()
+        else:
+            self.exchange.keep_alive = False
+
+
+def _address(info: Any) -> tuple[str, int] | None:
+    if isinstance(info, tuple) and len(info) >= 2:
+        return (str(info[0]), int(info[1]))
+    return None
+
+
+class _Lifespan:
+    """Runs the app's ``lifespan`` scope: startup before serving, shutdown after."""
+
+    def __init__(self, app: ASGIApp, state: dict[str, Any]) -> None:
+        self.app = app
+        self.state = state
+        self.inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self.started = asyncio.Event()
+        self.stopped = asyncio.Event()
+        self.failure: str | None = None
+        self.supported = True
+        self.task: asyncio.Task[None] | None = None
+
+    async def startup(self) -> None:
+        self.task = asyncio.create_task(self._run())
+        await self.inbox.put({"type": "lifespan.startup"})
+        await self.started.wait()
+        if self.failure is not None:
+            raise RuntimeError(f"The app's startup failed: {self.failure}")
+
+    async def shutdown(self) -> None:
+        if not self.supported or self.task is None:
+            return
+        await self.inbox.put({"type": "lifespan.shutdown"})
+        await self.stopped.wait()
+        if self.failure is not None:
+            _log.error("the app's shutdown failed: %s", self.failure)
+
+    async def _run(self) -> None:
+        scope = {"type": "lifespan", "asgi": _ASGI, "state": self.state}
+        try:
+            await self.app(scope, self.inbox.get, self._send)
+        except BaseException as exc:
+            if not self.started.is_set():
+                # An app without lifespan support raises on the unknown scope type.
+                self.supported = False
+                _log.debug("the app does not run a lifespan: %r", exc)
+            else:
+                self.failure = f"{type(exc).__name__}: {exc}"
+                _log.exception("the app's lifespan failed")
+        finally:
+            self.started.set()
+            self.stopped.set()
+
+    async def _send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "lifespan.startup.complete":
+            self.started.set()
+        elif kind == "lifespan.startup.failed":
+            self.failure = str(message.get("message", "startup failed"))
+            self.started.set()
+        elif kind in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+            if kind.endswith("failed"):
+                self.failure = str(message.get("message", "shutdown failed"))
+            self.stopped.set()
+
+
+async def serve_asgi(
+    app: ASGIApp,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    *,
+    max_body: int = MAX_BODY,
+    keep_alive_s: float = KEEP_ALIVE_S,
+    grace_s: float = GRACE_S,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> None:
+    """Serve ``app`` on ``host:port`` until ``stop`` is set (or SIGINT/SIGTERM arrives).
+
+    ``ready(port)`` is called once the socket listens (with the port the system chose
+    when ``port`` is 0).
+    """
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    state: dict[str, Any] = {}
+    lifespan = _Lifespan(app, state)
+    await lifespan.startup()
+    shared = _Server(app, max_body=max_body, keep_alive_s=keep_alive_s, state=state)
+    server = await loop.create_server(lambda: _Http11(shared), host, port, backlog=2048)
+    handled: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            handled.append(sig)
+    try:
+        if ready is not None:
+            ready(server.sockets[0].getsockname()[1])
+        every = min(1.0, keep_alive_s / 2)
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+            shared.sweep()
+    finally:
+        for sig in handled:
+            loop.remove_signal_handler(sig)
+        shared.closing = True
+        server.close()
+        for conn in list(shared.connections):
+            conn.shutdown()
+        if shared.connections:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(shared.all_closed.wait(), grace_s)
+        for conn in list(shared.connections):
+            conn.transport.close()
+            if conn.task is not None:
+                conn.task.cancel()
+        await server.wait_closed()
+        await lifespan.shutdown()

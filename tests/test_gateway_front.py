@@ -1,0 +1,488 @@
+"""envport's HTTP/1.1 server (what ``envport gateway`` serves with), on real sockets.
+
+Raw clients send exactly the bytes each test means: keep-alive, pipelining, framing,
+limits, broken requests, apps that fail, clients that leave or stop reading, the
+lifespan and a graceful shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from envport.gateway.front import serve_asgi
+from envport.serving import serve_in_thread
+
+App = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def running(app: App, **kwargs: Any) -> AsyncIterator[tuple[int, asyncio.Task[None]]]:
+    """Serve ``app`` on an ephemeral port in this loop; stopped (gracefully) on exit."""
+    stop = asyncio.Event()
+    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve_asgi(app, "127.0.0.1", 0, stop=stop, ready=bound.set_result, **kwargs)
+    )
+    waiting: list[asyncio.Future[Any]] = [bound, task]
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        await task  # startup failed: raise it
+    try:
+        yield bound.result(), task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+_clients: list[asyncio.StreamWriter] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients() -> AsyncIterator[None]:
+    yield
+    while _clients:
+        writer = _clients.pop()
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+
+
+async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw client connection (closed after the test)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    _clients.append(writer)
+    return reader, writer
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One response: status, headers (lower-case), body (de-chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await reader.readline()
+                return status, headers, body
+            body += (await reader.readexactly(size + 2))[:-2]
+    length = int(headers.get("content-length", "0"))
+    return status, headers, await reader.readexactly(length)
+
+
+async def closed(reader: asyncio.StreamReader, within_s: float = 5.0) -> bool:
+    """True when the server closed the connection (EOF) within ``within_s``."""
+    try:
+        return await asyncio.wait_for(reader.read(1), within_s) == b""
+    except ConnectionResetError:
+        return True
+
+
+def request(path: str = "/", body: bytes = b"", *, method: str = "POST", extra: str = "") -> bytes:
+    return (
+        f"{method} {path} HTTP/1.1\r\nhost: t\r\ncontent-length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
+
+
+async def echo(scope: Any, receive: Any, send: Any) -> None:
+    """Answers with the method, path, query and body it got (length given when asked)."""
+    if scope["type"] != "http":
+        return
+    message = await receive()
+    body = b"%s %s?%s|%s" % (
+        scope["method"].encode(),
+        scope["path"].encode(),
+        scope["query_string"],
+        message["body"],
+    )
+    headers = [(b"content-type", b"text/plain")]
+    if scope["query_string"] == b"sized":
+        headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_keep_alive_chunked_and_sized_answers_on_one_connection() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request("/a%20b", b"one"))
+        status, headers, body = await read_response(reader)
+        assert (status, body) == (200, b"POST /a b?|one")
+        assert headers["transfer-encoding"] == "chunked"
+        assert "date" in headers
+        writer.write(request("/x?sized", b"two"))
+        status, headers, body = await read_response(reader)
+        assert (status, body) == (200, b"POST /x?sized|two")
+        assert headers["content-length"] == str(len(body))
+        assert "transfer-encoding" not in headers
+        writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    async def slow_first(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        message = await receive()
+        if message["body"] == b"first":
+            await asyncio.sleep(0.2)  # the second is complete long before
+        await echo_body(message["body"], send)
+
+    async with running(slow_first) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request(body=b"first") + request(body=b"second") + request(body=b"third"))
+        answers = [(await read_response(reader))[2] for _ in range(3)]
+        assert answers == [b"first", b"second", b"third"]
+        writer.close()
+
+
+async def echo_body(body: bytes, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_http10_and_connection_close_end_the_connection() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        status, headers, _ = await read_response(reader)
+        assert status == 200
+        assert headers["connection"] == "close"
+        assert await closed(reader)
+
+        reader, writer = await connect(port)
+        writer.write(request(extra="connection: close\r\n"))
+        status, headers, _ = await read_response(reader)
+        assert status == 200
+        assert headers["connection"] == "close"
+        assert await closed(reader)
+
+
+async def test_a_chunked_request_body_is_handed_over_whole() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(
+            b"POST /c HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n"
+        )
+        _, _, body = await read_response(reader)
+        assert body == b"POST /c?|abcdefg"
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"NOT-HTTP\r\n\r\n",
+        b"POST / HTTP/1.1\r\ncontent-length: nope\r\n\r\n",
+        b"GET / HTTP/1.1\r\nbad header line\r\n\r\n",
+    ],
+    ids=["garbage", "bad-length", "bad-header"],
+)
+async def test_a_malformed_request_gets_400_and_the_app_never_sees_it(raw: bytes) -> None:
+    seen: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope)
+        await echo(scope, receive, send)
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(raw)
+        status, headers, body = await read_response(reader)
+        assert status == 400
+        assert b"Invalid HTTP request" in body
+        assert headers["connection"] == "close"
+        assert await closed(reader)
+    assert [s for s in seen if s["type"] == "http"] == []
+
+
+async def test_an_upgrade_is_refused() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(
+            b"GET /ws HTTP/1.1\r\nhost: t\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+        )
+        status, _, body = await read_response(reader)
+        assert status == 400
+        assert b"Upgrades" in body
+        assert await closed(reader)
+
+
+async def test_an_oversize_body_gets_413_whether_announced_or_streamed() -> None:
+    calls: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append((await receive())["body"])
+            await echo_body(b"ok", send)
+
+    async with running(app, max_body=1000) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n")
+        status, _, body = await read_response(reader)
+        assert status == 413
+        assert b"1000 bytes" in body
+        assert await closed(reader)
+
+        reader, writer = await connect(port)
+        chunk = b"x" * 600
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            + (b"258\r\n" + chunk + b"\r\n") * 2
+            + b"0\r\n\r\n"
+        )
+        status, _, _ = await read_response(reader)
+        assert status == 413
+        assert await closed(reader)
+
+        reader, writer = await connect(port)  # at the limit is fine
+        writer.write(request(body=b"y" * 1000))
+        status, _, body = await read_response(reader)
+        assert (status, body) == (200, b"ok")
+        writer.close()
+    assert calls == [b"y" * 1000]
+
+
+async def test_expect_100_continue_gets_the_interim_answer() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\nexpect: 100-continue\r\n\r\n"
+        )
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hi")
+        _, _, body = await read_response(reader)
+        assert body == b"POST /?|hi"
+        writer.close()
+
+
+async def test_head_answers_carry_no_body() -> None:
+    async with running(echo) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(b"HEAD /h?sized HTTP/1.1\r\nhost: t\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"content-length: 14" in head  # what a GET would get, no bytes follow
+        writer.write(request(body=b"next"))  # the connection is still in step
+        _, _, body = await read_response(reader)
+        assert body == b"POST /?|next"
+        writer.close()
+
+
+async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptureFixture) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["path"] == "/raise-first":
+            raise ValueError("boom before the answer")
+        if scope["path"] == "/nothing":
+            return
+        if scope["path"] == "/bad-header":
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"x-evil", b"a\r\nset-cookie: b")],
+                }
+            )
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        if scope["path"] == "/raise-midway":
+            raise ValueError("boom midway")
+        # /unfinished: returns with the answer begun
+
+    caplog.set_level(logging.ERROR, "envport.gateway.front")
+    async with running(app) as (port, _):
+        for path in ("/raise-first", "/nothing", "/bad-header"):
+            reader, writer = await connect(port)
+            writer.write(request(path))
+            status, _, body = await read_response(reader)
+            assert (status, body) == (500, b"Internal Server Error"), path
+            assert await closed(reader)
+        for path in ("/raise-midway", "/unfinished"):
+            reader, writer = await connect(port)
+            writer.write(request(path))
+            data = await asyncio.wait_for(reader.read(), 5)  # up to the server's close
+            assert data.startswith(b"HTTP/1.1 200 OK"), path
+            assert b"part" in data, path
+            assert not data.endswith(b"0\r\n\r\n"), path  # cut: the body never ended
+    text = caplog.text
+    assert "boom before the answer" in text
+    assert "boom midway" in text
+    assert "sent no response" in text
+    assert "unfinished" in text
+
+
+async def test_a_client_leaving_is_heard_and_later_sends_go_nowhere() -> None:
+    heard: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    after: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        heard.set_result(await receive())
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        after.append("sent")
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        await reader.readuntil(b"data: 1\n\n")
+        writer.close()
+        assert (await asyncio.wait_for(heard, 5)) == {"type": "http.disconnect"}
+        await asyncio.sleep(0.05)
+    assert after == ["sent"]
+
+
+async def test_an_answer_waits_for_a_client_that_stops_reading() -> None:
+    sent: list[int] = []
+    piece = b"x" * 65536
+    total = 400  # 26 MB, far more than the sockets' buffers
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(total):
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            sent.append(1)
+        await send({"type": "http.response.body", "body": b""})
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(0.5)
+        stalled_at = len(sent)
+        await asyncio.sleep(0.3)
+        assert len(sent) == stalled_at < total  # held back, not buffered in memory
+        received = 0
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                break
+            received += len(await reader.readexactly(size + 2)) - 2
+        assert received == total * len(piece)
+        writer.close()
+
+
+async def test_idle_keep_alive_connections_are_closed_busy_ones_are_not() -> None:
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await asyncio.sleep(0.6)  # longer than the keep-alive timeout
+        await echo_body(b"late", send)
+
+    async with running(slow, keep_alive_s=0.2) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        _, _, body = await read_response(reader)
+        assert body == b"late"  # not cut while the app worked
+        assert await closed(reader, within_s=3)  # then idle: closed
+
+
+async def test_lifespan_runs_around_serving() -> None:
+    events: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                events.append(message["type"])
+                if message["type"] == "lifespan.startup":
+                    scope["state"]["ready"] = True
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await receive()
+        await echo_body(b"ready" if scope["state"].get("ready") else b"no state", send)
+
+    async with running(app) as (port, _):
+        assert events == ["lifespan.startup"]
+        reader, writer = await connect(port)
+        writer.write(request())
+        assert (await read_response(reader))[2] == b"ready"
+        writer.close()
+    assert events == ["lifespan.startup", "lifespan.shutdown"]
+
+
+async def test_a_failed_startup_stops_the_server_and_an_app_without_lifespan_serves() -> None:
+    async def failing(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.failed", "message": "no database"})
+
+    with pytest.raises(RuntimeError, match="no database"):
+        async with running(failing):
+            pass
+
+    async def plain(scope: Any, receive: Any, send: Any) -> None:
+        assert scope["type"] == "http", "no lifespan support"
+        await receive()
+        await echo_body(b"plain", send)
+
+    async with running(plain) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        assert (await read_response(reader))[2] == b"plain"
+        writer.close()
+
+
+async def test_shutdown_finishes_answers_in_progress_and_refuses_new_connections() -> None:
+    started = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["path"] == "/long":
+            started.set()
+            await asyncio.sleep(0.5)
+        await echo_body(b"finished", send)
+
+    stop = asyncio.Event()
+    bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(serve_asgi(app, "127.0.0.1", 0, stop=stop, ready=bound.set_result))
+    port = await bound
+    idle_reader, idle_writer = await connect(port)
+    idle_writer.write(request())
+    await read_response(idle_reader)  # a kept-alive, now idle connection
+    reader, writer = await connect(port)
+    writer.write(request("/long"))
+    await started.wait()
+    stop.set()
+    assert await closed(idle_reader, within_s=2)  # idle: closed at once
+    status, headers, body = await read_response(reader)
+    assert (status, body) == (200, b"finished")
+    assert headers["connection"] == "close"
+    await asyncio.wait_for(task, 10)
+    with pytest.raises(ConnectionRefusedError):
+        await connect(port)
+
+
+def test_serve_in_thread_lean_with_a_real_client() -> None:
+    with serve_in_thread(echo, lean=True) as url, httpx.Client(base_url=url) as client:
+        for i in range(3):  # one kept-alive connection
+            r = client.post("/p", params={"q": "1"}, content=f"n{i}".encode())
+            assert r.status_code == 200
+            assert r.text == f"POST /p?q=1|n{i}"
