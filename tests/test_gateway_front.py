@@ -486,3 +486,55 @@ def test_serve_in_thread_lean_with_a_real_client() -> None:
             r = client.post("/p", params={"q": "1"}, content=f"n{i}".encode())
             assert r.status_code == 200
             assert r.text == f"POST /p?q=1|n{i}"
+
+
+async def test_the_app_runs_eagerly_inside_its_own_task() -> None:
+    """The app's first step runs as the request is parsed, yet inside the task that then
+    carries it: current_task() is that task, timeouts work, context stays per request."""
+    import contextvars
+    import inspect
+
+    seen: contextvars.ContextVar[str] = contextvars.ContextVar("seen", default="")
+    observed: list[tuple[bool, bool, str]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = (await receive())["body"]
+        # still inside the parser's callback: nothing else ran between parse and app
+        eager = any(frame.function == "on_message_complete" for frame in inspect.stack())
+        task = asyncio.current_task()
+        before = seen.get()  # another request's value would leak in here
+        seen.set(body.decode())
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.01):  # needs the current task
+                await asyncio.sleep(5)
+        observed.append((eager, task is asyncio.current_task() and task is not None, before))
+        await echo_body(seen.get().encode(), send)
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        for word in (b"one", b"two"):
+            writer.write(request(body=word))
+            assert (await read_response(reader))[2] == word
+    assert observed == [(True, True, ""), (True, True, "")]
+
+
+async def test_a_cancelled_request_task_closes_the_app() -> None:
+    closed_app = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            closed_app.set()
+
+    async with running(app, grace_s=0.1) as (port, _):
+        _, writer = await connect(port)
+        writer.write(request())
+        await asyncio.sleep(0.1)
+    # the shutdown's grace ran out: the task was cancelled and the app's finally ran
+    await asyncio.wait_for(closed_app.wait(), 5)

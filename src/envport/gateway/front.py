@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import email.utils
 import logging
 import signal
 import time
 import urllib.parse
+from asyncio.tasks import _enter_task, _leave_task
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
 import httptools
+
+from envport.coro import resume
 
 _log = logging.getLogger("envport.gateway.front")
 
@@ -366,9 +370,27 @@ class _Http11(asyncio.Protocol):
     # --- exchanges --------------------------------------------------------------------
 
     def _start(self, scope: Scope, body: bytes, keep_alive: bool) -> None:
+        """Run the app on the request, eagerly: up to its first wait, right here.
+
+        A task started the usual way runs only after every other connection's bytes that
+        arrived with these have been parsed; under a burst of requests each one's
+        upstream call would wait for the whole burst to be read. Here the app runs at
+        once, inside its own (not yet started) task, as Python 3.12's eager tasks do: the
+        task's context, and :func:`asyncio.current_task` is that task (timeouts and
+        cancellation work as in any task). The task picks the app up at its first wait.
+        """
         exchange = _Exchange(self, body, keep_alive, scope["method"] == "HEAD")
         self.exchange = exchange
-        self.task = self.loop.create_task(self._run(scope, exchange))
+        call = self._run(scope, exchange)
+        if asyncio.current_task(self.loop) is not None:
+            # From a task (a pipelined request started when the answer before it
+            # completed): no stepping inside another task; started the usual way.
+            self.task = self.loop.create_task(call)
+            return
+        context = contextvars.copy_context()
+        begun = _Begun(call)
+        task = self.task = self.loop.create_task(begun.finish(), context=context)
+        context.run(begun.step, self.loop, task)
 
     async def _run(self, scope: Scope, exchange: _Exchange) -> None:
         try:
@@ -437,6 +459,39 @@ class _Http11(asyncio.Protocol):
             self.transport.close()
         else:
             self.exchange.keep_alive = False
+
+
+class _Begun:
+    """A coroutine's first step, taken inside the task that then finishes it."""
+
+    __slots__ = ("call", "failure", "pending", "returned")
+
+    def __init__(self, call: Coroutine[Any, Any, None]) -> None:
+        self.call = call
+        self.pending: Any = None
+        self.returned = False
+        self.failure: BaseException | None = None
+
+    def step(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
+        _enter_task(loop, task)
+        try:
+            self.pending = self.call.send(None)
+        except StopIteration:
+            self.returned = True
+        except BaseException as exc:  # raised by the task, where it belongs
+            self.failure = exc
+        finally:
+            _leave_task(loop, task)
+
+    async def finish(self) -> None:
+        if self.returned:
+            return
+        if self.failure is not None:
+            raise self.failure
+        try:
+            await resume(self.call, self.pending)
+        finally:
+            self.call.close()  # if the task was cancelled before it began: close the app too
 
 
 def _address(info: Any) -> tuple[str, int] | None:
