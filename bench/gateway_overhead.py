@@ -64,6 +64,13 @@ proxy under test CPUs 1.. and puts the client and the fake upstream (a gateway's
 world; a model server is on another machine in production) on CPU 0; ``client-alone``
 puts the client alone on CPU 0 and proxy and upstream on the rest.
 
+``--awake-cpus`` keeps the proxy's CPUs from idling: one spinner per CPU at SCHED_IDLE
+priority (it runs only when nothing else wants the CPU, and yields at once when the proxy
+wakes). On a VM an idle vCPU halts, and waking it for a request or an upstream answer
+costs a hypervisor round trip the direct path does not pay (its client and upstream share
+CPU 0). The spinners show how much of "+TTFT" that is; they change the machine, not the
+proxy, and burn the proxy CPUs' idle time, so the default runs without them.
+
 ``--upstream-delay-ms`` takes one or more delays (comma-separated): one full run each,
 with fresh servers. With 0 every process is CPU-bound, so "+p50" is the proxy's own cost
 and throughput "% of direct" at high concurrency compares CPU per call; with a model-like
@@ -1051,6 +1058,12 @@ def main() -> None:
     p.add_argument("--agl-python", default=str(AGL_VENV / "bin" / "python"))
     p.add_argument("--no-pin", action="store_true")
     p.add_argument("--layout", choices=["proxy-alone", "client-alone"], default="proxy-alone")
+    p.add_argument(
+        "--awake-cpus",
+        action="store_true",
+        help="keep the proxy's CPUs from idling (SCHED_IDLE spinners): isolates the VM's "
+        "vCPU wake-up latency",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: n=200, stream-n=50")
     p.add_argument("--json", default=None, help="write rows as JSON here")
     p.add_argument("--markdown", default=None, help="write the table as Markdown here")
@@ -1069,7 +1082,6 @@ def main() -> None:
         args.stream_concurrency = []
     names = [x for x in args.targets.split(",") if x]
 
-    delays = [float(x) for x in str(args.upstream_delay_ms).split(",") if x]
     ncpu = os.cpu_count() or 1
     pin = not args.no_pin and ncpu >= 2 and hasattr(os, "sched_setaffinity")
     if pin and args.layout == "proxy-alone":
@@ -1082,13 +1094,45 @@ def main() -> None:
         client_cpus = upstream_cpus = proxy_cpus = None
     if client_cpus:
         os.sched_setaffinity(0, client_cpus)
+    spinners = []
+    if args.awake_cpus:
+        if not proxy_cpus:
+            raise SystemExit("--awake-cpus needs pinning (two or more CPUs, no --no-pin)")
+        spinners = [_spinner(cpu) for cpu in sorted(proxy_cpus)]
+    try:
+        _run_all(args, names, ncpu, pin, (upstream_cpus, proxy_cpus))
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
+
+
+def _spinner(cpu: int) -> subprocess.Popen[bytes]:
+    """A busy loop on ``cpu`` at SCHED_IDLE: the CPU never idles, and anything else that
+    wants it preempts the loop at once."""
+    code = (
+        "import os\n"
+        f"os.sched_setaffinity(0, {{{cpu}}})\n"
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "while True:\n    pass\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _run_all(
+    args: argparse.Namespace,
+    names: list[str],
+    ncpu: int,
+    pin: bool,
+    cpus: tuple[set[int] | None, set[int] | None],
+) -> None:
+    delays = [float(x) for x in str(args.upstream_delay_ms).split(",") if x]
     base_logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="gw-bench-"))
     results = []
     markdowns = []
     for delay in delays:
         logs = base_logs / f"delay-{delay:g}ms"
         logs.mkdir(parents=True, exist_ok=True)
-        cpus = (upstream_cpus, proxy_cpus)
         targets, elapsed = run_once(args, names, delay, logs, cpus)
         rows = summarize(targets)
         where = {
@@ -1100,6 +1144,7 @@ def main() -> None:
             f"upstream delay {delay:g} ms, {args.stream_chunks} chunks "
             f"{args.chunk_gap_ms:g} ms apart, {args.arrivals} arrivals, "
             f"{ncpu} CPUs ({where if pin else 'unpinned'})"
+            f"{', proxy CPUs kept awake' if args.awake_cpus else ''}"
             f", {elapsed:.0f} s"
         )
         print_table(rows, title)

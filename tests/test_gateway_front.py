@@ -538,3 +538,24 @@ async def test_a_cancelled_request_task_closes_the_app() -> None:
         await asyncio.sleep(0.1)
     # the shutdown's grace ran out: the task was cancelled and the app's finally ran
     await asyncio.wait_for(closed_app.wait(), 5)
+
+
+async def test_nothing_is_served_after_a_failure_closed_the_connection() -> None:
+    paths: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        paths.append(scope["path"])
+        await receive()
+        if scope["path"] == "/fail":
+            raise ValueError("boom")
+        await echo_body(b"ok", send)
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request("/fail") + request("/after"))  # one write: parsed together
+        status, _, _ = await read_response(reader)
+        assert status == 500
+        assert await closed(reader)
+    assert paths == ["/fail"]

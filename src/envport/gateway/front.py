@@ -334,8 +334,8 @@ class _Http11(asyncio.Protocol):
         self.body = []
 
     def on_message_complete(self) -> None:
-        if self.refused:
-            return
+        if self.refused or self.transport.is_closing():
+            return  # answered already, or the connection ends: nothing more is served
         parser = self.parser
         parsed = httptools.parse_url(self.url)
         raw_path = parsed.path
