@@ -18,7 +18,6 @@ from typing import Any
 
 from envport.gateway.app import Gateway, create_gateway_app
 from envport.gateway.capture import GatewayPolicy
-from envport.gateway.front import serve_asgi
 from envport.gateway.upstream import RetryPolicy
 from envport.trace.store import SQLiteTraceStore
 
@@ -71,6 +70,8 @@ def serve_gateway(
     ``upstreams`` are OpenAI-compatible base URLs ending in ``/v1``; ``store`` a SQLite
     file where finished rollouts land as traces.
     """
+    from envport.gateway.front import serve_asgi  # the server, only when serving
+
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     given = orchestrator_token or os.environ.get(TOKEN_ENV)
     gateway = build_gateway(
