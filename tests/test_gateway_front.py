@@ -559,3 +559,26 @@ async def test_nothing_is_served_after_a_failure_closed_the_connection() -> None
         assert status == 500
         assert await closed(reader)
     assert paths == ["/fail"]
+
+
+async def test_shutdown_cancels_a_pipelined_request_still_running_after_the_grace() -> None:
+    ended = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["path"] == "/hang":
+            try:
+                await asyncio.sleep(30)
+            finally:
+                ended.set()
+        await asyncio.sleep(0.05)  # the second request is parsed meanwhile: it waits its turn
+        await echo_body(b"quick", send)
+
+    async with running(app, grace_s=0.1) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request("/quick") + request("/hang"))  # the second starts from a task
+        assert (await read_response(reader))[2] == b"quick"
+        await asyncio.sleep(0.1)
+    await asyncio.wait_for(ended.wait(), 5)

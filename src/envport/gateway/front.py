@@ -119,6 +119,7 @@ class _Exchange:
         "read",
         "started",
         "status",
+        "task",
     )
 
     def __init__(self, conn: _Http11, body: bytes, keep_alive: bool, head_only: bool) -> None:
@@ -133,6 +134,7 @@ class _Exchange:
         self.left = 0  # bytes still owed of a response with a content-length
         self.status = 0
         self.gone: asyncio.Future[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # what runs the app on it
 
     async def receive(self) -> Message:
         if not self.read:
@@ -235,7 +237,6 @@ class _Http11(asyncio.Protocol):
         self.paused = False
         self.resumed: asyncio.Future[None] | None = None
         self.idle_since = time.monotonic()
-        self.task: asyncio.Task[None] | None = None
         # the request being parsed
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
@@ -385,11 +386,11 @@ class _Http11(asyncio.Protocol):
         if asyncio.current_task(self.loop) is not None:
             # From a task (a pipelined request started when the answer before it
             # completed): no stepping inside another task; started the usual way.
-            self.task = self.loop.create_task(call)
+            exchange.task = self.loop.create_task(call)
             return
         context = contextvars.copy_context()
         begun = _Begun(call)
-        task = self.task = self.loop.create_task(begun.finish(), context=context)
+        task = exchange.task = self.loop.create_task(begun.finish(), context=context)
         context.run(begun.step, self.loop, task)
 
     async def _run(self, scope: Scope, exchange: _Exchange) -> None:
@@ -400,18 +401,16 @@ class _Http11(asyncio.Protocol):
                 _log.exception("the app failed on %s %s", scope["method"], scope["path"])
             if not exchange.started and not self.lost:
                 exchange.keep_alive = False
-                self._answer_plain(500, "Internal Server Error", close=True)
+                self._answer_plain(500, "Internal Server Error")
             else:
                 self.transport.close()
             if not isinstance(exc, Exception):
                 raise
             return
-        finally:
-            self.task = None
         if not exchange.complete and not self.lost:
             if not exchange.started:
                 _log.error("the app sent no response to %s %s", scope["method"], scope["path"])
-                self._answer_plain(500, "Internal Server Error", close=True)
+                self._answer_plain(500, "Internal Server Error")
             else:  # an answer begun and never finished: the client must not wait for it
                 _log.error(
                     "the app left its response to %s %s unfinished", scope["method"], scope["path"]
@@ -441,17 +440,17 @@ class _Http11(asyncio.Protocol):
         if self.exchange is not None:  # an answer is due first: it cannot be kept in order
             self.transport.close()
             return
-        self._answer_plain(status, message, close=True)
+        self._answer_plain(status, message)
 
-    def _answer_plain(self, status: int, message: str, *, close: bool) -> None:
+    def _answer_plain(self, status: int, message: str) -> None:
+        """A plain-text answer from the server itself; the connection closes after it."""
         body = message.encode()
         self.transport.write(
             b"%s%scontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%s"
             % (_status_line(status), self.server.clock.date(), len(body), body)
         )
-        if close:
-            self.transport.close()
+        self.transport.close()
 
     def shutdown(self) -> None:
         """Close now if idle; else once the answer in progress is complete."""
@@ -605,7 +604,7 @@ async def serve_asgi(
                 await asyncio.wait_for(shared.all_closed.wait(), grace_s)
         for conn in list(shared.connections):
             conn.transport.close()
-            if conn.task is not None:
-                conn.task.cancel()
+            if conn.exchange is not None and conn.exchange.task is not None:
+                conn.exchange.task.cancel()
         await server.wait_closed()
         await lifespan.shutdown()
