@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import sys
 import threading
@@ -493,3 +494,18 @@ async def test_concurrent_execs_are_serialised(runtime: Path) -> None:
         results = await asyncio.gather(*(sb.exec(f"echo {i}") for i in range(20)))
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(20)]
         assert await asyncio.to_thread(os.path.ismount, sb.host_workdir)
+
+
+@needs_isolation
+async def test_the_shell_starts_with_default_signal_actions(runtime: Path) -> None:
+    """A launcher that ignores a signal (SIGHUP under nohup) does not pass that on."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        sb = await Sandbox.create(cfg(runtime))
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    async with sb:
+        assert (await sb.exec("trap -p")).stdout == ""
+        await sb.exec("readonly LOCKED=1")
+        await sb.reset()  # the shell is replaced (exec): still default actions
+        assert (await sb.exec("trap -p")).stdout == ""

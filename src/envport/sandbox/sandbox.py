@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import json
 import os
 import posixpath
@@ -625,8 +626,9 @@ class Sandbox:
                 await self._internal(script)
             else:
                 env = " ".join(shlex.quote(f"{k}={v}") for k, v in self._shell_env().items())
+                defaults = " ".join(_default_signals()[1:])  # env's own option, if any
                 await self._internal(
-                    f"cd -- {shlex.quote(self._shell_cwd())} && exec env -i {env} "
+                    f"cd -- {shlex.quote(self._shell_cwd())} && exec env -i {defaults} {env} "
                     "bash --noprofile --norc"
                 )
                 _FRESH_OPTIONS[self.isolated] = (await self._internal(OPTIONS_SCRIPT))[1]
@@ -867,13 +869,13 @@ class Sandbox:
             args += ["--ro-bind", str(host), inside]
         args += ["--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--info-fd", str(info_fd), "--block-fd", str(block_fd)]
-        return [*args, "bash", "--noprofile", "--norc"]
+        return [*args, *_default_signals(), *_SHELL]
 
     async def _start_shell(self) -> None:
         cap = self.config.max_output_bytes
         if not self.isolated:
             proc = _spawn(
-                ["bash", "--noprofile", "--norc"],
+                [*_default_signals(), *_SHELL],
                 cwd=self.host_workdir,
                 env=self._shell_env(),
                 start_new_session=True,
@@ -997,6 +999,24 @@ def _used_bytes(path: Path) -> int:
 def _set_once(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+_SHELL = ["bash", "--noprofile", "--norc"]
+
+
+@functools.cache
+def _default_signals() -> list[str]:
+    """``env --default-signal`` where coreutils has it (8.31+), to start the shell with
+    every signal's default action: a signal the launcher ignores (SIGHUP under ``nohup``)
+    would otherwise stay ignored in the sandbox, and bash cannot undo that. Spawning
+    stays a plain vfork (no ``preexec_fn``)."""
+    try:
+        done = subprocess.run(
+            ["env", "--default-signal", "true"], capture_output=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ["env", "--default-signal"] if done.returncode == 0 else []
 
 
 def _spawn(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
