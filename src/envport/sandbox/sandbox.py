@@ -1004,12 +1004,28 @@ def _set_once(future: asyncio.Future[None]) -> None:
 _SHELL = ["bash", "--noprofile", "--norc"]
 
 
-@functools.cache
+# What Popen resets for every child anyway (restore_signals), and what cannot be caught.
+_RESTORED = {"SIGPIPE", "SIGXFZ", "SIGXFSZ", "SIGKILL", "SIGSTOP"}
+
+
 def _default_signals() -> list[str]:
-    """``env --default-signal`` where coreutils has it (8.31+), to start the shell with
-    every signal's default action: a signal the launcher ignores (SIGHUP under ``nohup``)
-    would otherwise stay ignored in the sandbox, and bash cannot undo that. Spawning
-    stays a plain vfork (no ``preexec_fn``)."""
+    """``env --default-signal`` when this process ignores a signal its children would
+    inherit ignored (SIGHUP under ``nohup``; bash cannot undo a signal ignored on entry,
+    and the sandbox's shell must start as a fresh one): an exec more per start, paid
+    only then. Spawning stays a plain vfork (no ``preexec_fn``)."""
+    for sig in signal.valid_signals():
+        if (
+            isinstance(sig, signal.Signals)
+            and sig.name not in _RESTORED
+            and signal.getsignal(sig) is signal.SIG_IGN
+        ):
+            return _env_default_signal()
+    return []
+
+
+@functools.cache
+def _env_default_signal() -> list[str]:
+    """The prefix, where coreutils' ``env`` has ``--default-signal`` (8.31+)."""
     try:
         done = subprocess.run(
             ["env", "--default-signal", "true"], capture_output=True, timeout=10, check=False
