@@ -8,6 +8,9 @@ the requests ahead of it. This server does per request only what HTTP/1.1 needs:
 * the request is parsed by httptools (llhttp) and handed to the app once complete, with
   its body (bounded by ``max_body``, else ``413``): ``receive()`` answers it at once and
   then waits only for a disconnect;
+* the app runs on it right away, up to its first wait, inside its own task
+  (:meth:`_Http11._start`), so under a burst each request reaches its upstream call
+  before the next one is parsed;
 * ``send()`` writes each message to the socket as it comes (the head at once, bodies
   chunked unless the app gave a length) and waits only when the socket's buffer is full;
 * keep-alive connections idle longer than ``keep_alive_s`` are closed by one sweep per
