@@ -33,7 +33,6 @@ import logging
 import signal
 import time
 import urllib.parse
-from asyncio.tasks import _enter_task, _leave_task
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from http import HTTPStatus
@@ -41,7 +40,7 @@ from typing import Any
 
 import httptools
 
-from envport.coro import resume
+from envport.coro import resume, step_as
 
 _log = logging.getLogger("envport.gateway.front")
 
@@ -475,15 +474,10 @@ class _Begun:
         self.failure: BaseException | None = None
 
     def step(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task[None]) -> None:
-        _enter_task(loop, task)
         try:
-            self.pending = self.call.send(None)
-        except StopIteration:
-            self.returned = True
+            self.returned, self.pending = step_as(loop, task, self.call)
         except BaseException as exc:  # raised by the task, where it belongs
             self.failure = exc
-        finally:
-            _leave_task(loop, task)
 
     async def finish(self) -> None:
         if self.returned:

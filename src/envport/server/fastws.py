@@ -25,16 +25,12 @@ from typing import Any
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
 
-from envport.coro import resume
+from envport.coro import resume, step_as
 
 try:
     from websockets.speedups import apply_mask
 except ImportError:  # pragma: no cover - the C extension ships in websockets' wheels
     from websockets.utils import apply_mask
-
-# What asyncio's own eager tasks (3.12+) use to run code as a given task; present in
-# every CPython envport supports (3.11 on), though not public API.
-from asyncio.tasks import _enter_task, _leave_task
 
 __all__ = ["EnvportWebSocketProtocol", "FastWebSocket", "MessageHandler"]
 
@@ -282,29 +278,25 @@ class FastWebSocket:
         loop = self._loop
         assert self._on_message is not None  # set with the task, in run()
         call = self._on_message(message)
-        try:
-            _enter_task(loop, task)
-        except RuntimeError:  # called inside another task: the ordinary path
+        if asyncio.current_task(loop) is not None:  # inside another task: the ordinary path
             call.close()
             self._messages.append(message)
             self._wake()
             return
         self._busy = True
         try:
-            pending = call.send(None)
-        except StopIteration as done:
-            self._busy = False
-            if not done.value:
-                self._stop = True
-                self._wake()
-            return
+            returned, pending = step_as(loop, task, call)
         except BaseException as exc:  # the task raises it (an OSError ends the connection)
             self._busy = False
             self._error = exc
             self._wake()
             return
-        finally:
-            _leave_task(loop, task)
+        if returned:
+            self._busy = False
+            if not pending:
+                self._stop = True
+                self._wake()
+            return
         self._continuation = (call, pending)
         self._wake()
 
