@@ -76,42 +76,39 @@ def _serve_lean_in_thread(
 
     from envport.gateway.front import serve_asgi
 
-    bound: list[int] = []
-    ready = threading.Event()
-    failed: list[BaseException] = []
     loop = asyncio.new_event_loop()
-    stop: list[asyncio.Event] = []
+    stop = asyncio.Event()  # bound to the loop that first waits on it: the thread's
+    bound: list[int] = []
+    failed: list[BaseException] = []
+    ready = threading.Event()
 
-    async def main() -> None:
-        stop.append(asyncio.Event())
-
-        def up(p: int) -> None:
-            bound.append(p)
-            ready.set()
-
-        await serve_asgi(app, host, port, stop=stop[0], ready=up)
+    def listening(p: int) -> None:
+        bound.append(p)
+        ready.set()
 
     def run() -> None:
         try:
-            loop.run_until_complete(main())
+            loop.run_until_complete(serve_asgi(app, host, port, stop=stop, ready=listening))
         except BaseException as exc:  # startup failed: told to the caller
             failed.append(exc)
         finally:
             ready.set()
             loop.close()
 
+    def stop_soon() -> None:
+        if thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
+                loop.call_soon_threadsafe(stop.set)
+
     thread = threading.Thread(target=run, name=f"envport-serve-{port}", daemon=True)
     thread.start()
     if not ready.wait(startup_timeout_s) or not bound:
-        if stop:
-            loop.call_soon_threadsafe(stop[0].set)
+        stop_soon()
         raise RuntimeError(f"server on {host}:{port} did not start") from (
             failed[0] if failed else None
         )
     try:
         yield f"http://{host}:{bound[0]}"
     finally:
-        if thread.is_alive():
-            with contextlib.suppress(RuntimeError):  # the loop ended meanwhile
-                loop.call_soon_threadsafe(stop[0].set)
+        stop_soon()
         thread.join(timeout=60)

@@ -626,7 +626,7 @@ class Sandbox:
                 await self._internal(script)
             else:
                 env = " ".join(shlex.quote(f"{k}={v}") for k, v in self._shell_env().items())
-                defaults = " ".join(_default_signals()[1:])  # env's own option, if any
+                defaults = "--default-signal" if _default_signals() else ""
                 await self._internal(
                     f"cd -- {shlex.quote(self._shell_cwd())} && exec env -i {defaults} {env} "
                     "bash --noprofile --norc"
