@@ -291,6 +291,9 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
             raise ValueError("boom before the answer")
         if scope["path"] == "/nothing":
             return
+        if scope["path"] == "/raise-after-start":  # the head has not gone out yet
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            raise ValueError("boom after the start")
         if scope["path"] == "/bad-header":
             await send(
                 {
@@ -308,7 +311,7 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
 
     caplog.set_level(logging.ERROR, "envport.gateway.front")
     async with running(app) as (port, _):
-        for path in ("/raise-first", "/nothing", "/bad-header"):
+        for path in ("/raise-first", "/nothing", "/bad-header", "/raise-after-start"):
             reader, writer = await connect(port)
             writer.write(request(path))
             status, _, body = await read_response(reader)
@@ -323,9 +326,35 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
             assert not data.endswith(b"0\r\n\r\n"), path  # cut: the body never ended
     text = caplog.text
     assert "boom before the answer" in text
+    assert "boom after the start" in text
     assert "boom midway" in text
     assert "sent no response" in text
     assert "unfinished" in text
+
+
+async def test_the_head_goes_out_alone_when_the_body_is_not_ready() -> None:
+    """The head waits for the first body bytes to go out with them (one write), but
+    never for an app that waits between the two: it goes out at the end of the step."""
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"late"})
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 201 Created\r\n")
+        assert not release.is_set()
+        release.set()
+        assert await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5) == (
+            b"4\r\nlate\r\n0\r\n\r\n"
+        )
 
 
 async def test_a_client_leaving_is_heard_and_later_sends_go_nowhere() -> None:

@@ -115,6 +115,7 @@ class _Exchange:
         "complete",
         "conn",
         "gone",
+        "head",
         "head_only",
         "keep_alive",
         "left",
@@ -137,6 +138,7 @@ class _Exchange:
         self.status = 0
         self.gone: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None  # what runs the app on it
+        self.head = b""  # the response's head, until it goes out with the first body bytes
 
     async def receive(self) -> Message:
         if not self.read:
@@ -162,9 +164,9 @@ class _Exchange:
         if not self.started:
             if message["type"] != "http.response.start":
                 raise RuntimeError(f"Expected 'http.response.start', got {message['type']!r}")
-            head = self._head(message["status"], message.get("headers", ()))
+            self.head = self._head(message["status"], message.get("headers", ()))
             self.started = True
-            conn.transport.write(head)
+            conn.loop.call_soon(self.flush)
             return
         if self.complete:
             raise RuntimeError(f"Unexpected {message['type']!r} after the response completed")
@@ -172,29 +174,39 @@ class _Exchange:
             raise RuntimeError(f"Expected 'http.response.body', got {message['type']!r}")
         body = message.get("body", b"")
         more = message.get("more_body", False)
+        head, self.head = self.head, b""
         if self.head_only:
-            pass
+            if head:
+                conn.transport.write(head)
         elif self.chunked:
             if body:
                 if more:
-                    conn.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+                    conn.transport.write(b"%s%x\r\n%s\r\n" % (head, len(body), body))
                 else:
-                    conn.transport.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+                    conn.transport.write(b"%s%x\r\n%s\r\n0\r\n\r\n" % (head, len(body), body))
             elif not more:
-                conn.transport.write(b"0\r\n\r\n")
+                conn.transport.write(head + b"0\r\n\r\n")
+            elif head:
+                conn.transport.write(head)
         else:
             if len(body) > self.left:
                 raise RuntimeError("Response content longer than its Content-Length")
             self.left -= len(body)
-            if body:
-                conn.transport.write(body)
             if not more and self.left:
                 raise RuntimeError("Response content shorter than its Content-Length")
+            if body or head:
+                conn.transport.write(head + body if head else body)
         if not more:
             self.complete = True
             conn.answered(self)
         elif conn.paused:
             await conn.drained()
+
+    def flush(self) -> None:
+        """Write the head if no body bytes took it along (the app waits for them)."""
+        head, self.head = self.head, b""
+        if head and not self.conn.lost and not self.conn.transport.is_closing():
+            self.conn.transport.write(head)
 
     def _head(self, status: int, headers: Any) -> bytes:
         self.status = status
@@ -401,7 +413,8 @@ class _Http11(asyncio.Protocol):
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 _log.exception("the app failed on %s %s", scope["method"], scope["path"])
-            if not exchange.started and not self.lost:
+            if (not exchange.started or exchange.head) and not self.lost:
+                exchange.head = b""  # nothing went out yet: the answer can still be a 500
                 exchange.keep_alive = False
                 self._answer_plain(500, "Internal Server Error")
             else:
