@@ -7,6 +7,7 @@ fault injection on, so every failure here is a real HTTP failure on a real socke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import socket
 import subprocess
@@ -1477,3 +1478,163 @@ async def test_a_translated_stream_failing_midway_ends_with_an_error_event(
     [call] = await gw.calls(ro["rollout_id"])
     assert call.error is not None
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
+
+
+# --- a stream relayed from the read callback its answer's head arrived in ------------------
+
+
+def _sse_chunk(content: str, ids: list[int]) -> bytes:
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": None, "token_ids": ids}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    event = b"data: " + orjson.dumps({**chunk, "choices": [choice]}) + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+DONE_AND_END = b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n")
+
+
+@contextlib.asynccontextmanager
+async def _raw_upstream(first: bytes, release: asyncio.Event, rest: bytes) -> AsyncIterator[str]:
+    """An upstream answering each request with ``first`` in one write, then ``rest`` once
+    released; yields its base URL."""
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(first)
+                await release.wait()
+                writer.write(rest)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def _agent_call(gateway: Gateway, send: Any) -> tuple[Any, Any, dict[str, Any], Any]:
+    """``handle_call`` as the front does it: (outcome, call, scope, receive)."""
+    from envport.gateway.app import CHAT
+
+    grant = gateway.create_rollout()
+    body = orjson.dumps({"model": "m", "messages": ASK, "stream": True})
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"authorization", f"Bearer {grant.token}".encode())],
+    }
+    asked = False
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await never  # the agent stays
+        return {"type": "http.disconnect"}
+
+    outcome, call = await gateway.handle_call(CHAT, grant.rollout_id, scope, receive, send)
+    return outcome, call, scope, receive
+
+
+async def test_the_head_and_first_events_go_out_before_the_call_s_task_wakes() -> None:
+    release = asyncio.Event()
+    first, rest = SSE_HEAD + _sse_chunk("Hel", [1, 2]), _sse_chunk("lo", [3]) + DONE_AND_END
+    async with _raw_upstream(first, release, rest) as url:
+        gateway = Gateway([url], retry=FAST_RETRY)
+        await _first_events_before_the_task_wakes(gateway, release)
+
+
+async def _first_events_before_the_task_wakes(gateway: Gateway, release: asyncio.Event) -> None:
+    sent: list[tuple[dict[str, Any], bool]] = []  # (message, sent from inside a task)
+    at_answer: list[list[str]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append((message, asyncio.current_task() is not None))
+
+    real = gateway.pool.send
+
+    async def upstream_send(*args: Any, **kwargs: Any) -> Any:
+        opened = await real(*args, **kwargs)
+        at_answer.append([m["type"] for m, _ in sent])  # as the call's task wakes up
+        return opened
+
+    gateway.pool.send = upstream_send  # type: ignore[method-assign]
+    try:
+        outcome, call, scope, receive = await _agent_call(gateway, send)
+        assert at_answer == [["http.response.start", "http.response.body"]]
+        assert [in_task for _, in_task in sent] == [False, False]  # from the read callback
+        assert b'"Hel"' in sent[1][0]["body"]
+        release.set()
+        await outcome(scope, receive, send)
+        call.done()
+        bodies = b"".join(m.get("body", b"") for m, _ in sent[1:])
+        assert bodies.count(b"data: ") == 3
+        assert bodies.endswith(b"data: [DONE]\n\n")
+        assert sent[-1][0].get("more_body", False) is False
+        [record] = gateway.rollout(call.rollout.rollout_id).calls
+        assert record.error is None
+        assert record.ttft_s is not None
+        assert record.choices[0].completion_token_ids == [1, 2, 3]
+    finally:
+        await gateway.aclose()
+
+
+async def test_a_send_that_waits_as_the_stream_begins_holds_the_events_back_in_order() -> None:
+    # An ASGI server whose send of the answer's head waits (a full socket): the events
+    # read meanwhile wait behind it, upstream is not read on, and nothing is lost.
+    release = asyncio.Event()
+    first, rest = SSE_HEAD + _sse_chunk("a", [1]), _sse_chunk("b", [2]) + DONE_AND_END
+    async with _raw_upstream(first, release, rest) as url:
+        gateway = Gateway([url], retry=FAST_RETRY)
+        await _held_back_in_order(gateway, release)
+
+
+async def _held_back_in_order(gateway: Gateway, release: asyncio.Event) -> None:
+    opened_up = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.start":
+            await opened_up.wait()
+
+    try:
+        outcome, call, scope, receive = await _agent_call(gateway, send)
+        assert [m["type"] for m in sent] == ["http.response.start"]  # the event waits
+        release.set()  # upstream sends the rest: not read while the head's send waits
+        relay = asyncio.create_task(outcome(scope, receive, send))
+        await asyncio.sleep(0.1)
+        assert len(sent) == 1
+        opened_up.set()
+        await asyncio.wait_for(relay, 10)
+        call.done()
+        bodies = [m["body"] for m in sent[1:] if m.get("body")]
+        assert b'"a"' in bodies[0]
+        assert b"".join(bodies).count(b"data: ") == 3
+        assert b"".join(bodies).index(b'"a"') < b"".join(bodies).index(b'"b"')
+        [record] = gateway.rollout(call.rollout.rollout_id).calls
+        assert record.error is None
+        assert record.choices[0].completion_token_ids == [1, 2]
+    finally:
+        await gateway.aclose()

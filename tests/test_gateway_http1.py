@@ -20,6 +20,7 @@ from envport.gateway.http1 import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    Response,
     Timeouts,
 )
 from envport.serving import free_port
@@ -109,6 +110,35 @@ def json_answer(body: bytes, extra: bytes = b"") -> bytes:
 
 
 HEADERS = (("content-type", "application/json"),)
+
+
+class Declining:
+    """An early sink (``post(early=...)``) that takes no answer: the post must then
+    behave exactly as without one. Notes each head it was offered."""
+
+    def __init__(self) -> None:
+        self.heads: list[int] = []
+
+    def head(self, response: Response) -> bool:
+        assert asyncio.current_task() is None  # from the read callback the head came in
+        self.heads.append(response.status)
+        return False
+
+    def piece(self, data: bytes) -> None:
+        raise AssertionError("never tapped")
+
+    def end(self) -> None:
+        raise AssertionError("never tapped")
+
+    def fail(self, exc: HTTPError) -> None:
+        raise AssertionError("never tapped")
+
+
+@pytest.fixture(params=["awaited", "early"])
+def early(request: pytest.FixtureRequest) -> Declining | None:
+    """Each test using it runs twice: the head awaited by the task, and parsed in the
+    read callback and offered to an early sink (that declines it)."""
+    return Declining() if request.param == "early" else None
 
 
 async def test_content_length_answers_reuse_one_connection() -> None:
@@ -206,7 +236,9 @@ async def test_gzip_is_decoded_and_unknown_encodings_refused() -> None:
         await pool.aclose()
 
 
-async def test_an_idle_connection_the_server_dropped_is_replaced_transparently() -> None:
+async def test_an_idle_connection_the_server_dropped_is_replaced_transparently(
+    early: Declining | None,
+) -> None:
     async def handler(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
     ) -> None:
@@ -218,14 +250,16 @@ async def test_an_idle_connection_the_server_dropped_is_replaced_transparently()
 
     async with serve(handler) as srv:
         pool = Http1Pool()
-        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":1}'
+        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":1}'
         await asyncio.sleep(0.05)
-        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":2}'
+        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":2}'
         assert srv.connections == 2
         await pool.aclose()
 
 
-async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once() -> None:
+async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once(
+    early: Declining | None,
+) -> None:
     async def handler(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
     ) -> None:
@@ -239,13 +273,13 @@ async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once
 
     async with serve(handler) as srv:
         pool = Http1Pool()
-        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":1}'
-        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b'{"n":2}'
+        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":1}'
+        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":2}'
         assert srv.connections == 2
         await pool.aclose()
 
 
-async def test_no_answer_on_a_new_connection_is_an_error() -> None:
+async def test_no_answer_on_a_new_connection_is_an_error(early: Declining | None) -> None:
     async def handler(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
     ) -> None:
@@ -254,7 +288,7 @@ async def test_no_answer_on_a_new_connection_is_an_error() -> None:
     async with serve(handler) as srv:
         pool = Http1Pool()
         with pytest.raises(RemoteProtocolError, match="no status line"):
-            await pool.post(srv.url, b"{}", HEADERS)
+            await pool.post(srv.url, b"{}", HEADERS, early=early)
         assert srv.connections == 1  # not retried: this was no stale connection
         await pool.aclose()
 
@@ -286,47 +320,53 @@ async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message:
         (b"HTTP/1.1 200 OK\r\ncontent-le", "headers cut short"),
     ],
 )
-async def test_an_answer_that_is_not_http_is_an_error(answer: bytes, message: str) -> None:
+async def test_an_answer_that_is_not_http_is_an_error(
+    answer: bytes, message: str, early: Declining | None
+) -> None:
     async with serve(answering(answer, close=True)) as srv:
         pool = Http1Pool()
         with pytest.raises(RemoteProtocolError, match=message):
-            await pool.post(srv.url, b"{}", HEADERS)
+            await pool.post(srv.url, b"{}", HEADERS, early=early)
         await pool.aclose()
 
 
-async def test_informational_answers_are_skipped() -> None:
+async def test_informational_answers_are_skipped(early: Declining | None) -> None:
     answer = b"HTTP/1.1 100 Continue\r\n\r\n" + json_answer(b"{}")
     async with serve(answering(answer)) as srv:
         pool = Http1Pool()
-        response = await pool.post(srv.url, b"{}", HEADERS)
+        response = await pool.post(srv.url, b"{}", HEADERS, early=early)
         assert response.status == 200
         assert await response.read() == b"{}"
+        if early is not None:
+            assert early.heads == [200]  # the 100 was never offered
         await pool.aclose()
 
 
-async def test_errors_and_no_body_statuses() -> None:
+async def test_errors_and_no_body_statuses(early: Declining | None) -> None:
     answers = [
         b"HTTP/1.1 204 No Content\r\n\r\n",
         (JSON_HEAD + b"content-length: 2\r\nretry-after: 3\r\n\r\n{}").replace(b"200 OK", b"503 X"),
     ]
     async with serve(answering(*answers)) as srv:
         pool = Http1Pool()
-        empty = await pool.post(srv.url, b"{}", HEADERS)
+        empty = await pool.post(srv.url, b"{}", HEADERS, early=early)
         assert (empty.status, empty.at_eof()) == (204, True)
         assert await empty.read() == b""
-        busy = await pool.post(srv.url, b"{}", HEADERS)
+        busy = await pool.post(srv.url, b"{}", HEADERS, early=early)
         assert (busy.status, busy.headers["retry-after"]) == (503, "3")
         assert await busy.read() == b"{}"
         assert srv.connections == 1
+        if early is not None:
+            assert early.heads == [204, 503]
         await pool.aclose()
 
 
-async def test_connect_errors_and_timeouts() -> None:
+async def test_connect_errors_and_timeouts(early: Declining | None) -> None:
     pool = Http1Pool(Timeouts(connect=5, read=0.2))
     with pytest.raises(ConnectError, match="cannot connect"):
         await pool.post(f"http://127.0.0.1:{free_port()}/v1", b"{}", HEADERS)
     with pytest.raises(ConnectError, match="not an http"):
-        await pool.post("ftp://example.invalid/x", b"{}", HEADERS)
+        await pool.post("ftp://example.invalid/x", b"{}", HEADERS, early=early)
 
     async def silent(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
@@ -336,11 +376,11 @@ async def test_connect_errors_and_timeouts() -> None:
 
     async with serve(silent) as srv:
         with pytest.raises(ReadTimeout, match="read timeout"):
-            await pool.post(srv.url, b"{}", HEADERS)
+            await pool.post(srv.url, b"{}", HEADERS, early=early)
         assert isinstance(ReadTimeout(), TimeoutError)
     await pool.aclose()
     with pytest.raises(ConnectError, match="closed"):
-        await pool.post("http://127.0.0.1:1/v1", b"{}", HEADERS)
+        await pool.post("http://127.0.0.1:1/v1", b"{}", HEADERS, early=early)
 
 
 async def test_https_to_a_plain_server_fails_to_connect() -> None:
@@ -561,7 +601,9 @@ async def test_cancelling_a_reader_mid_body_is_a_cancellation_not_a_timeout() ->
         await pool.aclose()
 
 
-async def test_a_request_deadline_caps_the_wait_for_headers_and_the_body() -> None:
+async def test_a_request_deadline_caps_the_wait_for_headers_and_the_body(
+    early: Declining | None,
+) -> None:
     # One timer keeps both the read timeout and the request's deadline (the gateway's
     # budget for a call): a server slower than the deadline but never idle longer than
     # the read timeout is still cut at the deadline, for the headers as for the body.
@@ -586,11 +628,11 @@ async def test_a_request_deadline_caps_the_wait_for_headers_and_the_body() -> No
     async with serve(silent) as srv:
         t0 = loop.time()
         with pytest.raises(ReadTimeout, match="deadline"):
-            await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.2)
+            await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.2, early=early)
         assert loop.time() - t0 < 5
     async with serve(trickling) as srv:
         t0 = loop.time()
-        response = await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.3)
+        response = await pool.post(srv.url, b"{}", HEADERS, deadline=t0 + 0.3, early=early)
         with pytest.raises(ReadTimeout, match="deadline"):
             await response.read(deadline=t0 + 0.3)
         assert loop.time() - t0 < 5
@@ -598,7 +640,9 @@ async def test_a_request_deadline_caps_the_wait_for_headers_and_the_body() -> No
     await pool.aclose()
 
 
-async def test_a_cancelled_post_is_a_cancellation_and_leaves_no_timer() -> None:
+async def test_a_cancelled_post_is_a_cancellation_and_leaves_no_timer(
+    early: Declining | None,
+) -> None:
     async def silent(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, number: int
     ) -> None:
@@ -612,7 +656,7 @@ async def test_a_cancelled_post_is_a_cancellation_and_leaves_no_timer() -> None:
         assert task is not None
         loop.call_later(0.05, task.cancel)
         with pytest.raises(asyncio.CancelledError):
-            await pool.post(srv.url, b"{}", HEADERS, deadline=loop.time() + 0.3)
+            await pool.post(srv.url, b"{}", HEADERS, deadline=loop.time() + 0.3, early=early)
         task.uncancel()
         await asyncio.sleep(0.4)  # past the read timeout and the deadline: no timer fires
         assert pool.idle_connections() == 0
@@ -792,4 +836,71 @@ async def test_only_a_plain_chunked_body_can_be_tapped() -> None:
             response = await pool.post(srv.url, b"{}", HEADERS)
             assert not response.tap(Sink())
             assert await response.read() == expected  # read as usual instead
+        await pool.aclose()
+
+
+class Early(Sink):
+    """An early sink that takes what ``accept`` says (and notes when it was offered)."""
+
+    def __init__(self, accept: bool = True, on_head: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.accept = accept
+        self.on_head = on_head
+        self.offered: list[tuple[int, bool]] = []  # (status, from inside a task)
+
+    def head(self, response: Response) -> bool:
+        self.offered.append((response.status, asyncio.current_task() is not None))
+        if self.on_head is not None:
+            self.on_head()
+        return self.accept and response.tappable()
+
+
+async def test_an_early_sink_takes_the_body_from_the_read_callback_the_head_came_in() -> None:
+    parts = (CHUNKED_HEAD + b"3\r\nabc\r\n", b"2\r\nde\r\n", b"0\r\n\r\n")
+    async with serve(scripted(*parts)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        sink = Early()
+        response = await pool.post(srv.url, b"{}", HEADERS, early=sink)
+        # Offered from the read callback (no task), and the bytes that came with the
+        # head were handed over there too, before the awaiting task woke up.
+        assert sink.offered == [(200, False)]
+        assert response.tapped
+        assert sink.pieces == [b"abc"]
+        assert await asyncio.wait_for(sink.over, 5) is None
+        assert sink.pieces == [b"abc", b"de"]
+        assert pool.idle_connections() == 1  # read to its end: kept
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()
+
+
+async def test_an_early_sink_that_declines_leaves_the_answer_to_be_read() -> None:
+    answer = CHUNKED_HEAD.replace(b"200 OK", b"503 Busy") + b"2\r\n{}\r\n0\r\n\r\n"
+    async with serve(answering(answer)) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        sink = Early(accept=False)
+        response = await pool.post(srv.url, b"{}", HEADERS, early=sink)
+        assert sink.offered == [(503, False)]
+        assert not response.tapped
+        assert await response.read() == b"{}"
+        assert sink.pieces == []
+        await pool.aclose()
+
+
+async def test_a_post_cancelled_as_its_answer_arrives_drops_the_answer() -> None:
+    # The answer came (and was tapped) but the awaiting task was cancelled before it woke:
+    # the cancellation stands and the answer is dropped, its connection closed.
+    async with serve(scripted(CHUNKED_HEAD + b"3\r\nabc\r\n")) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        sink = Early(on_head=lambda: loop.call_soon(task.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await pool.post(srv.url, b"{}", HEADERS, early=sink)
+        task.uncancel()
+        assert sink.pieces == [b"abc"]
+        assert pool.idle_connections() == 0
+        await asyncio.sleep(0.05)
+        assert sink.calls == 0  # dropped, not failed: nothing told after the cancellation
         await pool.aclose()

@@ -101,6 +101,7 @@ from envport.gateway.errors import (
     UpstreamTimeoutError,
 )
 from envport.gateway.http1 import Http1Pool, HTTPError
+from envport.gateway.http1 import Response as UpstreamResponse
 from envport.gateway.registry import Registration, RolloutRegistry
 from envport.gateway.upstream import (
     RETRY_STATUSES,
@@ -147,6 +148,12 @@ class Api:
     @property
     def translated(self) -> bool:
         return self.to_chat is not None
+
+    @property
+    def early(self) -> bool:
+        """Whether its streams are passed through as upstream sends them (relayed from
+        upstream's read callback, :class:`_Relay`)."""
+        return self.stream_from_chat is None
 
 
 CHAT = Api("chat.completions", "chat/completions", "chat.completions")
@@ -487,7 +494,7 @@ class Gateway:
         """Serve one model call (raw ASGI): answer the agent, then record the call."""
         call: _Call | None = None
         try:
-            outcome, call = await self.handle_call(api, path_rollout, scope, receive)
+            outcome, call = await self.handle_call(api, path_rollout, scope, receive, send)
         except Exception as exc:  # a bug: log it, answer 500 in the API's shape
             _log.exception("model call on %s failed inside the gateway", scope["path"])
             internal = GatewayError(f"Internal gateway error: {type(exc).__name__}: {exc}")
@@ -500,9 +507,19 @@ class Gateway:
                 call.done()
 
     async def handle_call(
-        self, api: Api, path_rollout: str | None, scope: Scope, receive: Receive
+        self,
+        api: Api,
+        path_rollout: str | None,
+        scope: Scope,
+        receive: Receive,
+        send: Send | None = None,
     ) -> tuple[ASGIApp, _Call | None]:
-        """What to answer a model call, and the call to record once it is answered."""
+        """What to answer a model call, and the call to record once it is answered.
+
+        With ``send`` (the agent's), a pass-through stream starts to be relayed from
+        upstream's read callback the moment its head arrives (the answer's head and
+        first events are sent before this returns): the rest of the answer follows when
+        the returned app is run with the same ``send``."""
         headers = _call_headers(scope)
         rollout: Rollout | None = None
         try:
@@ -516,10 +533,16 @@ class Gateway:
             else:
                 rollout.errors.append(_harness_error(exc))
             return exc.response(api.dialect), None
-        return await self._forward(api, rollout, headers, raw, body)
+        return await self._forward(api, rollout, headers, raw, body, send)
 
     async def _forward(
-        self, api: Api, rollout: Rollout, headers: dict[str, str], raw: bytes, body: JSON
+        self,
+        api: Api,
+        rollout: Rollout,
+        headers: dict[str, str],
+        raw: bytes,
+        body: JSON,
+        send: Send | None,
     ) -> tuple[ASGIApp, _Call | None]:
         try:
             chat_body = api.to_chat(body) if api.to_chat is not None else body
@@ -556,9 +579,17 @@ class Gateway:
             client_retry=_int_header(headers.get(SDK_RETRY_HEADER)),
         )
         payload = raw if forwarded is body else orjson.dumps(forwarded)
+        # A pass-through stream is relayed from the moment upstream's head arrives, from
+        # that read callback: a burst of answers does not queue behind the bookkeeping
+        # of each one (done by this task afterwards) before its first token goes out.
+        relay = _Relay(call, send) if stream and send is not None and api.early else None
         try:
             opened = await self.pool.send(
-                api.upstream_path, payload, rollout_id=rollout.rollout_id, stream=stream
+                api.upstream_path,
+                payload,
+                rollout_id=rollout.rollout_id,
+                stream=stream,
+                early=relay,
             )
         except UpstreamFailure as failure:
             call.record.attempts = [a.to_json() for a in failure.attempts]
@@ -569,7 +600,9 @@ class Gateway:
             raise
         call.opened = opened  # its endpoint and tries are noted on the record in done()
         if stream and opened.status < 400:
-            return _Relay(call, opened), call
+            relay = relay or _Relay(call)
+            relay.bind(opened)
+            return relay, call
         await opened.aclose()  # the body is read already
         return call.answer(opened), call
 
@@ -843,18 +876,26 @@ class _Relay:
 
     A pass-through stream is relayed from upstream's read callback
     (:meth:`_tapped_relay`); a translated or compressed one by this task reading it
-    piece by piece (:meth:`_relay`, :meth:`_chunks`).
+    piece by piece (:meth:`_relay`, :meth:`_chunks`). Made with the agent's ``send``,
+    the relay is offered upstream's answer the moment its head arrives (:meth:`head`,
+    an :class:`~envport.gateway.http1.EarlySink`): the agent's head and the first events
+    go out from that read callback, before the call's task even wakes up; the task
+    binds the relay to the answer (:meth:`bind`) and runs it as usual from there.
     """
 
-    def __init__(self, call: _Call, opened: Opened) -> None:
-        self.status = opened.status
+    opened: Opened  # set by bind()
+
+    def __init__(self, call: _Call, send: Send | None = None) -> None:
+        self.status = 200
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
             (_CALL_ID, call.record.call_id.encode()),
         ]
         self.call = call
-        self.opened = opened
+        self.response: UpstreamResponse | None = None  # upstream's answer
+        self._bound = False  # bind() was called: the call's task has the answer
+        self._begun = False  # the agent's head went out from upstream's read callback
         self.datas: list[bytes] = []  # each chunk's JSON, as upstream sent it
         self._first = False
         self._complete = False  # [DONE] arrived
@@ -864,15 +905,38 @@ class _Relay:
         self._watch: Callable[[], None] = _no_watch  # starts listening for a disconnect
         self._buf = b""  # the start of an event whose end has not arrived yet
         # the tapped relay (_tapped_relay): what its task is woken for
-        self._send: Send | None = None
+        self._send: Send | None = send
         self._poke: asyncio.Future[None] | None = None
         self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None  # a send waiting
+        self._held = b""  # events read while a send waited, sent after it
         self._tap_broken: _StreamBroken | None = None
+        self._tap_cut: HTTPError | None = None  # the tap's read failed
+        self._tap_ended = False  # the body ended (maybe before [DONE])
         self._tap_error: BaseException | None = None
         self._final = b""  # the events up to [DONE], for the task to send
 
+    def bind(self, opened: Opened) -> None:
+        """The call's task has upstream's answer (the one :meth:`head` took, if any)."""
+        self.opened = opened
+        self.response = opened.response
+        self.status = opened.status
+        self._bound = True
+
+    def head(self, response: UpstreamResponse) -> bool:
+        """Upstream's answer arrived (called from its read callback): take a success
+        that can be tapped, and send the agent's head now; its events follow from
+        :meth:`piece`, as they arrive."""
+        if self._send is None or not 200 <= response.status < 300 or not response.tappable():
+            return False
+        self.response = response
+        self.status = response.status
+        self._poke = response.loop.create_future()
+        self._begun = True
+        self._push({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        return True
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
+        task = asyncio.current_task(self.opened.response.loop)
         assert task is not None
         client_gone = False
 
@@ -891,9 +955,10 @@ class _Relay:
 
         self._watch = watch
         try:
-            await send(
-                {"type": "http.response.start", "status": self.status, "headers": self.headers}
-            )
+            if not self._begun:
+                await send(
+                    {"type": "http.response.start", "status": self.status, "headers": self.headers}
+                )
             await self._pump(send)
             self._relaying = False
         except asyncio.CancelledError:
@@ -981,12 +1046,16 @@ class _Relay:
         waits, and steps in for what is not routine: a write that has to wait for the
         agent to read (upstream is not read meanwhile), a broken stream, the end. False
         (nothing done) when the body cannot be tapped (then :meth:`_relay` reads it)."""
-        loop = asyncio.get_running_loop()
         response = self.opened.response
+        loop = response.loop
         self._send = send
-        poke = self._poke = loop.create_future()
-        if not response.tap(self):  # the events that came with the head are relayed here
-            return False
+        if self._begun:  # tapped when the head arrived (head()): maybe woken already
+            poke = self._poke
+            assert poke is not None
+        else:
+            poke = self._poke = loop.create_future()
+            if not response.tap(self):  # the events that came with the head are relayed
+                return False
         try:
             while True:
                 if not poke.done():
@@ -997,9 +1066,17 @@ class _Relay:
                     call, pending = self._stalled
                     self._stalled = None
                     await resume(call, pending)
+                    held, self._held = self._held, b""
+                    if held:
+                        await send({"type": "http.response.body", "body": held, "more_body": True})
                     response.resume()
                 if self._tap_error is not None:
                     raise self._tap_error
+                if self._tap_broken is None and not self._complete:
+                    if self._tap_cut is not None:
+                        self._tap_broken = self._broken(self._tap_cut)
+                    elif self._tap_ended:
+                        self._tap_broken = self._ended_early()
                 broken = self._tap_broken
                 if broken is not None:
                     if broken.before:  # pass on the events before the bad one
@@ -1013,6 +1090,7 @@ class _Relay:
                     # the agent, told it is done, sends its next request.
                     self._relaying = False
                     self._ended = True
+                    self._record()  # before the agent hears [DONE]
                     await send({"type": "http.response.body", "body": self._final})
                     return True
         finally:
@@ -1026,12 +1104,18 @@ class _Relay:
         if poke is not None and not poke.done():
             poke.set_result(None)
 
-    def _push(self, body: bytes, more: bool) -> None:
-        """Send ``body`` to the agent from a callback: the send runs up to its end, which
-        it normally reaches at once; one that has to wait (the agent's socket is full)
-        is finished by the relay's task, and upstream is not read until it is."""
+    def _push(self, message: Message) -> None:
+        """Send ``message`` to the agent from a callback: the send runs up to its end,
+        which it normally reaches at once; one that has to wait (the agent's socket is
+        full) is finished by the relay's task, and upstream is not read until it is
+        (events read meanwhile wait behind it)."""
         assert self._send is not None
-        sent = self._send({"type": "http.response.body", "body": body, "more_body": more})
+        assert self.response is not None
+        if self._stalled is not None:
+            self._held += message["body"]
+            self.response.pause()  # (it may have been untapped when that send stalled)
+            return
+        sent = self._send(message)
         call = sent if isinstance(sent, Coroutine) else _awaited(sent)
         try:
             pending = call.send(None)
@@ -1039,10 +1123,10 @@ class _Relay:
             return
         except BaseException as exc:  # a bug: raised in the relay's task
             self._tap_error = exc
-            self.opened.response.untap()
+            self.response.untap()
             self._wake()
             return
-        self.opened.response.pause()
+        self.response.pause()
         self._stalled = (call, pending)
         self._wake()
 
@@ -1054,24 +1138,24 @@ class _Relay:
         try:
             events, _ = self._take(data)
         except _StreamBroken as exc:
+            assert self.response is not None
             self._tap_broken = exc
-            self.opened.response.untap()
+            self.response.untap()
             self._wake()
             return
         if self._complete:  # the task sends [DONE] with the end of the agent's answer
             self._final = events
             self._wake()
         elif events:
-            self._push(events, True)
+            self._push({"type": "http.response.body", "body": events, "more_body": True})
 
     def end(self) -> None:
-        if not self._complete and self._tap_broken is None:
-            self._tap_broken = self._ended_early()
+        self._tap_ended = True  # before [DONE]: told by the task (it knows the upstream)
         self._wake()
 
     def fail(self, exc: HTTPError) -> None:
-        if not self._complete and self._tap_broken is None:
-            self._tap_broken = self._broken(exc)
+        if self._tap_cut is None:
+            self._tap_cut = exc
         self._wake()
 
     async def _chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -1146,7 +1230,8 @@ class _Relay:
                     continue
                 if data[-1:] != b"}" and data.strip() == b"[DONE]":
                     self._complete = True
-                    self._record()
+                    if self._bound:  # else the task records it before [DONE] goes out
+                        self._record()
                     return events[:end], chunks
                 chunk = self._check(data)
                 if self._translating:

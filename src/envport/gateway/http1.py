@@ -16,7 +16,11 @@ proxies, no redirects (a 3xx is an answer like any other).
 
 **Tapping** (:meth:`Response.tap`): a chunked body can be handed to a sink from the
 connection's own read callback instead of being awaited piece by piece, so a relay does
-no task switch per read (the gateway's streams); the sink can pause reading.
+no task switch per read (the gateway's streams); the sink can pause reading. An
+:class:`EarlySink` given to :meth:`Http1Pool.post` goes further: the answer's head is
+parsed in the read callback it arrived in, and the sink may take the body from there
+on, before the task that awaits the answer has even woken (a relay's first bytes go
+out with no task switch at all).
 
 **Connections** are kept alive per ``(scheme, host, port)`` and reused when a response
 was read to its end and the server did not ask to close. A pooled connection the server
@@ -38,7 +42,7 @@ import dataclasses
 import socket
 import ssl as ssl_module
 import zlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -189,11 +193,14 @@ class _Protocol(asyncio.StreamReaderProtocol):
     read callback instead of into the stream reader, and no task wakes up per read."""
 
     tap: Response | None = None
+    head_hook: Callable[[], None] | None = None  # an early answer's head is awaited
 
     def data_received(self, data: bytes) -> None:
         tap = self.tap
         if tap is None:
             super().data_received(data)
+            if self.head_hook is not None:
+                self.head_hook()
         else:
             tap._tapped(data)
 
@@ -201,12 +208,16 @@ class _Protocol(asyncio.StreamReaderProtocol):
         keep_open = bool(super().eof_received())  # the reader knows first: not reusable
         if self.tap is not None:
             self.tap._tapped_end(None)
+        elif self.head_hook is not None:
+            self.head_hook()
         return keep_open
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         if self.tap is not None:
             self.tap._tapped_end(exc)
+        elif self.head_hook is not None:
+            self.head_hook()
 
 
 class _Connection:
@@ -362,12 +373,17 @@ class Http1Pool:
         headers: Sequence[tuple[str, str]],
         *,
         deadline: float | None = None,
+        early: EarlySink | None = None,
     ) -> Response:
         """POST ``body``; returns once the status line and headers arrived.
 
         ``deadline`` (event-loop time) caps the whole request: connecting, waiting for
         the answer and, for :meth:`Response.read`, its body; past it, :class:`ReadTimeout`
         (or :class:`ConnectTimeout`). One timer keeps it and the read timeout together.
+
+        ``early`` is offered the answer from the read callback its head arrived in
+        (:meth:`EarlySink.head`); if it takes it, the body is tapped to it from there
+        and the returned response is that tapped one.
         """
         if self.closed:
             raise ConnectError("the HTTP client is closed")
@@ -380,6 +396,8 @@ class Http1Pool:
                 conn = await self._connect(target.key, deadline)
             try:
                 conn.writer.write(request)
+                if early is not None:
+                    return await self._early_answer(conn, deadline, early)
                 return await self._answer(conn, deadline)
             except _Stale:
                 conn.close()
@@ -424,6 +442,91 @@ class Http1Pool:
                 # 1xx informational: the real answer follows
         finally:
             timer.close()
+
+    async def _early_answer(
+        self, conn: _Connection, deadline: float | None, early: EarlySink
+    ) -> Response:
+        """:meth:`_answer`, with the head parsed in the read callback it arrived in and
+        offered to ``early`` there (see :meth:`post`)."""
+        reader, protocol = conn.reader, conn.protocol
+        answered: asyncio.Future[Response] = reader._loop.create_future()  # type: ignore[attr-defined]
+
+        def hook() -> None:
+            if answered.done():
+                return
+            try:
+                response = self._head_from(conn)
+                if response is None:
+                    return  # not all of the head yet
+                if early.head(response):
+                    response.tap(early)  # what came with the head goes to the sink now
+            except BaseException as exc:
+                if not answered.done():
+                    answered.set_exception(exc)
+            else:
+                if answered.done():  # the wait was cancelled meanwhile (by the sink?)
+                    response.close()
+                else:
+                    answered.set_result(response)
+            protocol.head_hook = None
+
+        protocol.head_hook = hook
+        timer = _ReadDeadline(self.timeouts.read, deadline)
+        try:
+            hook()  # what arrived already
+            timer.arm()
+            try:
+                return await answered
+            except asyncio.CancelledError:
+                expired = timer.expired()
+                if answered.done() and not answered.cancelled():
+                    # the answer came (and may be relayed already): it is the answer,
+                    # whatever cancelled this wait; a cancellation from outside stands
+                    response = answered.result()
+                    if expired:
+                        return response
+                    response.close()
+                    raise
+                if not expired:
+                    raise
+                if timer.capped:
+                    raise ReadTimeout("no answer before the request's deadline") from None
+                raise ReadTimeout(
+                    f"no answer within the read timeout ({self.timeouts.read:g} s)"
+                ) from None
+            finally:
+                timer.disarm()
+        finally:
+            protocol.head_hook = None
+            timer.close()
+
+    def _head_from(self, conn: _Connection) -> Response | None:
+        """The answer whose head is in the reader's buffer (its bytes taken out), None
+        if the head is not complete yet; raises what :meth:`_answer` raises when the
+        connection ends or the head is bad. 1xx answers are skipped."""
+        reader = conn.reader
+        buf: bytearray = reader._buffer  # type: ignore[attr-defined]
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > _READER_LIMIT:
+                    raise RemoteProtocolError("the answer's headers are too large")
+                exc = reader.exception()
+                if exc is not None:
+                    if isinstance(exc, ConnectionResetError | BrokenPipeError) and not buf:
+                        raise _Stale from exc
+                    raise ReadError(f"reading the answer failed: {exc}") from exc
+                if reader._eof:  # type: ignore[attr-defined]
+                    if not buf:
+                        raise _Stale
+                    raise RemoteProtocolError(f"{_CUT} (headers cut short)")
+                return None
+            raw = bytes(buf[: end + 4])
+            del buf[: end + 4]
+            reader._maybe_resume_transport()  # type: ignore[attr-defined]
+            status, version, headers = _parse_head(raw)
+            if status >= 200:
+                return Response(self, conn, status, version, headers)
 
 
 class _Stale(Exception):
@@ -644,9 +747,10 @@ class Response:
         compressed, read or closed already): read :meth:`chunks` instead. A tap ends
         with :meth:`untap` too, after which :meth:`chunks` reads on from where it left.
         """
-        conn = self._conn
-        if conn is None or self._eof or self._chunks is None or self._decoder is not None:
+        if not self.tappable():
             return False
+        conn = self._conn
+        assert conn is not None
         if self._sink is not None:
             raise RuntimeError("this body is tapped already")
         reader = conn.reader
@@ -665,6 +769,23 @@ class Response:
         if self._sink is sink and (reader.at_eof() or reader.exception() is not None):
             self._tapped_end(reader.exception())  # it ended (or broke) before the tap
         return True
+
+    def tappable(self) -> bool:
+        """Whether :meth:`tap` would take this body (chunked, not compressed, not read)."""
+        return (
+            self._conn is not None
+            and not self._eof
+            and self._chunks is not None
+            and self._decoder is None
+        )
+
+    @property
+    def tapped(self) -> bool:
+        return self._sink is not None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
 
     def untap(self) -> None:
         """End the tap (idempotent): bytes that arrive from now on wait in the stream
@@ -811,6 +932,14 @@ class BodySink(Protocol):
 
     def fail(self, exc: HTTPError) -> None:
         """Reading the body failed (called once; the tap is over, the connection closed)."""
+
+
+class EarlySink(BodySink, Protocol):
+    """A :class:`BodySink` that is offered the answer the moment its head arrives."""
+
+    def head(self, response: Response) -> bool:
+        """Called from the read callback the head arrived in; True: tap the body to this
+        sink now (only if :meth:`Response.tappable`). Must not block or await."""
 
 
 _MAX_CHUNK_LINE = 1 << 16  # a chunk size line (or trailer) longer than this is refused

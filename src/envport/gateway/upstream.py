@@ -40,7 +40,14 @@ from typing import Any
 import httpx
 
 from envport.gateway.errors import PausedError, UpstreamError, UpstreamTimeoutError
-from envport.gateway.http1 import ConnectError, Http1Pool, HTTPError, Response, Timeouts
+from envport.gateway.http1 import (
+    ConnectError,
+    EarlySink,
+    Http1Pool,
+    HTTPError,
+    Response,
+    Timeouts,
+)
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 STREAM_ERRORS = (HTTPError, OSError, TimeoutError)
@@ -255,14 +262,22 @@ class UpstreamPool:
     # --- calls ------------------------------------------------------------------------
 
     async def send(
-        self, path: str, body: bytes, *, rollout_id: str, stream: bool = False
+        self,
+        path: str,
+        body: bytes,
+        *,
+        rollout_id: str,
+        stream: bool = False,
+        early: EarlySink | None = None,
     ) -> Opened:
         """POST ``body`` to ``path`` on the rollout's upstream, retrying within budget.
 
         Returns the answer once upstream gave a final one: a success, a status that is
         not retried (400, 404, …), or the last retried status when the budget ran out.
         Raises :class:`UpstreamFailure` when no try got an HTTP answer. The caller owns
-        the returned :class:`Opened` and must ``aclose()`` it.
+        the returned :class:`Opened` and must ``aclose()`` it. ``early`` (a stream's
+        relay) is offered each try's answer as its head arrives (:meth:`Http1Pool.post`);
+        it takes only one it will relay (a success), so a retried answer never reaches it.
         """
         policy = self.retry
         start = time.monotonic()
@@ -280,7 +295,7 @@ class UpstreamPool:
             t0 = time.monotonic()
             wait: float | None = None
             try:
-                response, content = await self._try(upstream, path, body, stream, remaining)
+                response, content = await self._try(upstream, path, body, stream, remaining, early)
             except TimeoutError as exc:  # ConnectTimeout and ReadTimeout are TimeoutErrors
                 detail = _describe(exc)
                 last_exc = UpstreamTimeoutError(
@@ -331,7 +346,13 @@ class UpstreamPool:
         raise UpstreamFailure(error, attempts)
 
     async def _try(
-        self, upstream: Upstream, path: str, body: bytes, stream: bool, remaining: float
+        self,
+        upstream: Upstream,
+        path: str,
+        body: bytes,
+        stream: bool,
+        remaining: float,
+        early: EarlySink | None = None,
     ) -> tuple[Response, bytes]:
         """One POST: the response, and its body unless streaming (then ``b""``).
 
@@ -339,7 +360,7 @@ class UpstreamPool:
         body; the client keeps it with the same timer as its read timeout."""
         deadline = asyncio.get_running_loop().time() + remaining
         response = await self.client.post(
-            upstream.url(path), body, self._headers, deadline=deadline
+            upstream.url(path), body, self._headers, deadline=deadline, early=early
         )
         if stream and response.status < 400:
             return response, b""
