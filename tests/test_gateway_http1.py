@@ -134,11 +134,11 @@ class Declining:
         raise AssertionError("never tapped")
 
 
-@pytest.fixture(params=["awaited", "early"])
+@pytest.fixture(params=["no-sink", "declining-sink"])
 def early(request: pytest.FixtureRequest) -> Declining | None:
-    """Each test using it runs twice: the head awaited by the task, and parsed in the
-    read callback and offered to an early sink (that declines it)."""
-    return Declining() if request.param == "early" else None
+    """Each test using it runs twice: without an early sink, and with one that declines
+    every answer it is offered (the post must behave the same)."""
+    return Declining() if request.param == "declining-sink" else None
 
 
 async def test_content_length_answers_reuse_one_connection() -> None:

@@ -17,10 +17,10 @@ proxies, no redirects (a 3xx is an answer like any other).
 **Tapping** (:meth:`Response.tap`): a chunked body can be handed to a sink from the
 connection's own read callback instead of being awaited piece by piece, so a relay does
 no task switch per read (the gateway's streams); the sink can pause reading. An
-:class:`EarlySink` given to :meth:`Http1Pool.post` goes further: the answer's head is
-parsed in the read callback it arrived in, and the sink may take the body from there
-on, before the task that awaits the answer has even woken (a relay's first bytes go
-out with no task switch at all).
+answer's head is parsed in the read callback it arrives in, and the task awaiting it
+woken with the parsed answer; an :class:`EarlySink` given to :meth:`Http1Pool.post` is
+offered the answer there and may take its body from there on, before that task has
+even woken (a relay's first bytes go out with no task switch at all).
 
 **Connections** are kept alive per ``(scheme, host, port)`` and reused when a response
 was read to its end and the server did not ask to close. A pooled connection the server
@@ -193,7 +193,7 @@ class _Protocol(asyncio.StreamReaderProtocol):
     read callback instead of into the stream reader, and no task wakes up per read."""
 
     tap: Response | None = None
-    head_hook: Callable[[], None] | None = None  # an early answer's head is awaited
+    head_hook: Callable[[], None] | None = None  # an answer's head is awaited
 
     def data_received(self, data: bytes) -> None:
         tap = self.tap
@@ -396,9 +396,7 @@ class Http1Pool:
                 conn = await self._connect(target.key, deadline)
             try:
                 conn.writer.write(request)
-                if early is not None:
-                    return await self._early_answer(conn, deadline, early)
-                return await self._answer(conn, deadline)
+                return await self._answer(conn, deadline, early)
             except _Stale:
                 conn.close()
                 if not reused:
@@ -408,46 +406,12 @@ class Http1Pool:
                 conn.close()
                 raise
 
-    async def _answer(self, conn: _Connection, deadline: float | None) -> Response:
-        reader = conn.reader
-        timer = _ReadDeadline(self.timeouts.read, deadline)
-        try:
-            while True:
-                timer.arm()
-                try:
-                    raw = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.CancelledError:
-                    if not timer.expired():
-                        raise
-                    if timer.capped:
-                        raise ReadTimeout("no answer before the request's deadline") from None
-                    raise ReadTimeout(
-                        f"no answer within the read timeout ({self.timeouts.read:g} s)"
-                    ) from None
-                except asyncio.IncompleteReadError as exc:
-                    if not exc.partial:
-                        raise _Stale from exc
-                    raise RemoteProtocolError(f"{_CUT} (headers cut short)") from exc
-                except asyncio.LimitOverrunError as exc:
-                    raise RemoteProtocolError("the answer's headers are too large") from exc
-                except OSError as exc:
-                    if isinstance(exc, ConnectionResetError | BrokenPipeError):
-                        raise _Stale from exc
-                    raise ReadError(f"reading the answer failed: {exc}") from exc
-                finally:
-                    timer.disarm()
-                status, version, headers = _parse_head(raw)
-                if status >= 200:
-                    return Response(self, conn, status, version, headers)
-                # 1xx informational: the real answer follows
-        finally:
-            timer.close()
-
-    async def _early_answer(
-        self, conn: _Connection, deadline: float | None, early: EarlySink
+    async def _answer(
+        self, conn: _Connection, deadline: float | None, early: EarlySink | None
     ) -> Response:
-        """:meth:`_answer`, with the head parsed in the read callback it arrived in and
-        offered to ``early`` there (see :meth:`post`)."""
+        """The answer to the request just sent on ``conn``: its head is parsed in the read
+        callback it arrives in (offered to ``early`` there, see :meth:`post`), and this
+        task woken with it."""
         reader, protocol = conn.reader, conn.protocol
         answered: asyncio.Future[Response] = reader._loop.create_future()  # type: ignore[attr-defined]
 
@@ -458,7 +422,7 @@ class Http1Pool:
                 response = self._head_from(conn)
                 if response is None:
                     return  # not all of the head yet
-                if early.head(response):
+                if early is not None and early.head(response):
                     response.tap(early)  # what came with the head goes to the sink now
             except BaseException as exc:
                 if not answered.done():
@@ -502,8 +466,10 @@ class Http1Pool:
 
     def _head_from(self, conn: _Connection) -> Response | None:
         """The answer whose head is in the reader's buffer (its bytes taken out), None
-        if the head is not complete yet; raises what :meth:`_answer` raises when the
-        connection ends or the head is bad. 1xx answers are skipped."""
+        if the head is not complete yet. 1xx answers are skipped. A connection that
+        ended before any byte of an answer raises :class:`_Stale` (the server had closed
+        it: the request is sent again on a new one); one that ended during the head, or
+        a bad head, raises :class:`RemoteProtocolError` or :class:`ReadError`."""
         reader = conn.reader
         buf: bytearray = reader._buffer  # type: ignore[attr-defined]
         while True:
