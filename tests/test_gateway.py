@@ -1171,10 +1171,15 @@ def test_upstream_timeouts_from_httpx_or_seconds() -> None:
         {"choices": [{"index": 0, "text": ""}]},
         {"choices": [], "usage": {"prompt_tokens": 1}},
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": 1},  # malformed: no output, and neither raises
+        {"choices": "text"},
+        {"choices": [1, {"index": 0, "delta": {"content": "a"}}]},
     ],
 )
 def test_has_output_agrees_with_the_assembler(chunk: dict[str, Any]) -> None:
-    api = "completions" if any("text" in c for c in chunk["choices"]) else "chat.completions"
+    choices = chunk["choices"] if isinstance(chunk["choices"], list) else []
+    texts = any(isinstance(c, dict) and "text" in c for c in choices)
+    api = "completions" if texts else "chat.completions"
     assert has_output(chunk) == StreamAssembler(api).feed(chunk)
 
 
@@ -1497,9 +1502,9 @@ DONE_AND_END = b"%x\r\ndata: [DONE]\n\n\r\n0\r\n\r\n" % len(b"data: [DONE]\n\n")
 
 
 @contextlib.asynccontextmanager
-async def _raw_upstream(first: bytes, release: asyncio.Event, rest: bytes) -> AsyncIterator[str]:
-    """An upstream answering each request with ``first`` in one write, then ``rest`` once
-    released; yields its base URL."""
+async def _raw_upstream(parts: list[bytes], gates: list[asyncio.Event]) -> AsyncIterator[str]:
+    """An upstream answering each request with ``parts``, one write each, the first at
+    once and each next one when the gate before it opens; yields its base URL."""
     handlers: set[asyncio.Task[None]] = set()
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -1511,9 +1516,10 @@ async def _raw_upstream(first: bytes, release: asyncio.Event, rest: bytes) -> As
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
-                writer.write(first)
-                await release.wait()
-                writer.write(rest)
+                writer.write(parts[0])
+                for gate, part in zip(gates, parts[1:], strict=True):
+                    await gate.wait()
+                    writer.write(part)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -1560,7 +1566,7 @@ async def _agent_call(gateway: Gateway, send: Any) -> tuple[Any, Any, dict[str, 
 async def test_the_head_and_first_events_go_out_before_the_call_s_task_wakes() -> None:
     release = asyncio.Event()
     first, rest = SSE_HEAD + _sse_chunk("Hel", [1, 2]), _sse_chunk("lo", [3]) + DONE_AND_END
-    async with _raw_upstream(first, release, rest) as url:
+    async with _raw_upstream([first, rest], [release]) as url:
         gateway = Gateway([url], retry=FAST_RETRY)
         await _first_events_before_the_task_wakes(gateway, release)
 
@@ -1605,7 +1611,7 @@ async def test_a_send_that_waits_as_the_stream_begins_holds_the_events_back_in_o
     # read meanwhile wait behind it, upstream is not read on, and nothing is lost.
     release = asyncio.Event()
     first, rest = SSE_HEAD + _sse_chunk("a", [1]), _sse_chunk("b", [2]) + DONE_AND_END
-    async with _raw_upstream(first, release, rest) as url:
+    async with _raw_upstream([first, rest], [release]) as url:
         gateway = Gateway([url], retry=FAST_RETRY)
         await _held_back_in_order(gateway, release)
 
@@ -1638,3 +1644,41 @@ async def _held_back_in_order(gateway: Gateway, release: asyncio.Event) -> None:
         assert record.choices[0].completion_token_ids == [1, 2]
     finally:
         await gateway.aclose()
+
+
+async def test_events_arriving_while_the_head_s_send_waits_in_the_task_wait_behind_it() -> None:
+    # The head alone first: the relay's task finishes its waiting send, and an event that
+    # arrives meanwhile must wait behind it (never two sends at once, never out of order).
+    gates = [asyncio.Event(), asyncio.Event()]
+    parts = [SSE_HEAD, _sse_chunk("a", [1]), _sse_chunk("b", [2]) + DONE_AND_END]
+    async with _raw_upstream(parts, gates) as url:
+        gateway = Gateway([url], retry=FAST_RETRY)
+        try:
+            can_send = asyncio.Event()
+            log: list[str] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                log.append(f"begin {message['type']}")
+                if message["type"] == "http.response.start":
+                    await can_send.wait()
+                log.append(f"end {message['type']}")
+
+            outcome, call, scope, receive = await _agent_call(gateway, send)
+            relay = asyncio.create_task(outcome(scope, receive, send))
+            await asyncio.sleep(0.05)  # the task is finishing the head's send now
+            gates[0].set()  # an event arrives meanwhile
+            await asyncio.sleep(0.1)
+            assert log == ["begin http.response.start"]
+            can_send.set()
+            gates[1].set()
+            await asyncio.wait_for(relay, 10)
+            call.done()
+            assert log[:2] == ["begin http.response.start", "end http.response.start"]
+            assert all(
+                log[i].startswith("begin") and log[i + 1].startswith("end")
+                for i in range(0, len(log), 2)
+            )  # one send at a time
+            [record] = gateway.rollout(call.rollout.rollout_id).calls
+            assert record.choices[0].completion_token_ids == [1, 2]
+        finally:
+            await gateway.aclose()

@@ -294,6 +294,10 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
         if scope["path"] == "/raise-after-start":  # the head has not gone out yet
             await send({"type": "http.response.start", "status": 200, "headers": []})
             raise ValueError("boom after the start")
+        if scope["path"] == "/wrong-length":  # refused before anything went out
+            sized = [(b"content-length", b"10")]
+            await send({"type": "http.response.start", "status": 200, "headers": sized})
+            await send({"type": "http.response.body", "body": b"abc"})
         if scope["path"] == "/bad-header":
             await send(
                 {
@@ -311,7 +315,13 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
 
     caplog.set_level(logging.ERROR, "envport.gateway.front")
     async with running(app) as (port, _):
-        for path in ("/raise-first", "/nothing", "/bad-header", "/raise-after-start"):
+        for path in (
+            "/raise-first",
+            "/nothing",
+            "/bad-header",
+            "/raise-after-start",
+            "/wrong-length",
+        ):
             reader, writer = await connect(port)
             writer.write(request(path))
             status, _, body = await read_response(reader)
@@ -327,6 +337,7 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
     text = caplog.text
     assert "boom before the answer" in text
     assert "boom after the start" in text
+    assert "shorter than its Content-Length" in text
     assert "boom midway" in text
     assert "sent no response" in text
     assert "unfinished" in text

@@ -904,3 +904,54 @@ async def test_a_post_cancelled_as_its_answer_arrives_drops_the_answer() -> None
         await asyncio.sleep(0.05)
         assert sink.calls == 0  # dropped, not failed: nothing told after the cancellation
         await pool.aclose()
+
+
+async def test_a_connection_given_back_from_the_read_callback_serves_the_next_request() -> None:
+    # The whole answer came with its head: it is read, and its connection back in the
+    # pool, from that read callback. Another request may take the connection before the
+    # first one's task wakes; the first one must leave it alone.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n\r\n")
+        while await read_request(reader):
+            writer.write(json_answer(b'{"second":1}'))
+
+    async with serve(handler) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        class Ending(Early):
+            def end(self) -> None:
+                super().end()
+                ended.set_result(None)  # wakes the second request before the first
+
+        async def second() -> bytes:
+            await ended
+            return await (await pool.post(srv.url, b"{}", HEADERS)).read()
+
+        other = asyncio.create_task(second())
+        await asyncio.sleep(0)
+        sink = Ending()
+        first = await pool.post(srv.url, b"{}", HEADERS, early=sink)
+        assert first.at_eof()
+        assert sink.pieces == [b"abc"]
+        assert await asyncio.wait_for(other, 3) == b'{"second":1}'
+        assert srv.connections == 1
+        await pool.aclose()
+
+
+async def test_a_post_cancelled_after_its_whole_answer_came_leaves_the_connection_pooled() -> None:
+    async with serve(scripted(CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n\r\n")) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        sink = Early(on_head=lambda: loop.call_soon(task.cancel))
+        with pytest.raises(asyncio.CancelledError):
+            await pool.post(srv.url, b"{}", HEADERS, early=sink)
+        task.uncancel()
+        assert sink.pieces == [b"abc"]
+        assert pool.idle_connections() == 1  # read to its end: back in the pool, open
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()

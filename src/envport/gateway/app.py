@@ -1064,8 +1064,8 @@ class _Relay:
                 poke = self._poke = loop.create_future()
                 if self._stalled is not None:
                     call, pending = self._stalled
+                    await resume(call, pending)  # what is read meanwhile is held behind it
                     self._stalled = None
-                    await resume(call, pending)
                     held, self._held = self._held, b""
                     if held:
                         await send({"type": "http.response.body", "body": held, "more_body": True})
@@ -1137,9 +1137,12 @@ class _Relay:
             return
         try:
             events, _ = self._take(data)
-        except _StreamBroken as exc:
+        except BaseException as exc:  # a broken stream, or a bug (raised in the task)
             assert self.response is not None
-            self._tap_broken = exc
+            if isinstance(exc, _StreamBroken):
+                self._tap_broken = exc
+            else:
+                self._tap_error = exc
             self.response.untap()
             self._wake()
             return

@@ -222,7 +222,8 @@ def _presence(flags: list[bool]) -> str:
 def has_output(chunk: Mapping[str, Any]) -> bool:
     """Whether a chat or completions chunk carries output (text, reasoning, tool calls,
     token ids): what :meth:`StreamAssembler.feed` answers, without folding the chunk."""
-    for raw in chunk.get("choices") or ():
+    choices = chunk.get("choices")
+    for raw in choices if isinstance(choices, list) else ():
         if not isinstance(raw, Mapping):
             continue
         if raw.get("token_ids") or raw.get("text"):
@@ -257,8 +258,10 @@ class StreamAssembler:
             elif key != "choices":
                 self.top.setdefault(key, value)
         produced = False
-        for raw in chunk.get("choices") or ():
-            produced |= self._choice(raw)
+        choices = chunk.get("choices")
+        for raw in choices if isinstance(choices, list) else ():  # a malformed one: skipped
+            if isinstance(raw, Mapping):
+                produced |= self._choice(raw)
         return produced
 
     def _choice(self, raw: Mapping[str, Any]) -> bool:

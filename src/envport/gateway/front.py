@@ -174,6 +174,13 @@ class _Exchange:
             raise RuntimeError(f"Expected 'http.response.body', got {message['type']!r}")
         body = message.get("body", b"")
         more = message.get("more_body", False)
+        sized = not self.head_only and not self.chunked
+        if sized:  # checked before anything goes out: a wrong length can still be a 500
+            if len(body) > self.left:
+                raise RuntimeError("Response content longer than its Content-Length")
+            if not more and self.left > len(body):
+                raise RuntimeError("Response content shorter than its Content-Length")
+            self.left -= len(body)
         head, self.head = self.head, b""
         if self.head_only:
             if head:
@@ -188,14 +195,8 @@ class _Exchange:
                 conn.transport.write(head + b"0\r\n\r\n")
             elif head:
                 conn.transport.write(head)
-        else:
-            if len(body) > self.left:
-                raise RuntimeError("Response content longer than its Content-Length")
-            self.left -= len(body)
-            if not more and self.left:
-                raise RuntimeError("Response content shorter than its Content-Length")
-            if body or head:
-                conn.transport.write(head + body if head else body)
+        elif body or head:
+            conn.transport.write(head + body if head else body)
         if not more:
             self.complete = True
             conn.answered(self)

@@ -396,22 +396,24 @@ class Http1Pool:
                 conn = await self._connect(target.key, deadline)
             try:
                 conn.writer.write(request)
-                return await self._answer(conn, deadline, early)
-            except _Stale:
-                conn.close()
-                if not reused:
-                    raise RemoteProtocolError(f"{_CUT} (no status line received)") from None
-                conn, reused = None, False  # the server dropped an idle connection: once more
             except BaseException:
                 conn.close()
                 raise
+            try:
+                return await self._answer(conn, deadline, early)  # closes conn if it fails
+            except _Stale:
+                if not reused:
+                    raise RemoteProtocolError(f"{_CUT} (no status line received)") from None
+                conn, reused = None, False  # the server dropped an idle connection: once more
 
     async def _answer(
         self, conn: _Connection, deadline: float | None, early: EarlySink | None
     ) -> Response:
         """The answer to the request just sent on ``conn``: its head is parsed in the read
         callback it arrives in (offered to ``early`` there, see :meth:`post`), and this
-        task woken with it."""
+        task woken with it. If no answer comes (an error, a timeout, a cancellation), the
+        connection is closed; an answer that came owns it (it may even be back in the
+        pool, its body read in that callback, and serving another request already)."""
         reader, protocol = conn.reader, conn.protocol
         answered: asyncio.Future[Response] = reader._loop.create_future()  # type: ignore[attr-defined]
 
@@ -432,7 +434,8 @@ class Http1Pool:
                     response.close()
                 else:
                     answered.set_result(response)
-            protocol.head_hook = None
+            if protocol.head_hook is hook:
+                protocol.head_hook = None
 
         protocol.head_hook = hook
         timer = _ReadDeadline(self.timeouts.read, deadline)
@@ -443,10 +446,10 @@ class Http1Pool:
                 return await answered
             except asyncio.CancelledError:
                 expired = timer.expired()
-                if answered.done() and not answered.cancelled():
+                response = _answer_in(answered)
+                if response is not None:
                     # the answer came (and may be relayed already): it is the answer,
                     # whatever cancelled this wait; a cancellation from outside stands
-                    response = answered.result()
                     if expired:
                         return response
                     response.close()
@@ -460,8 +463,13 @@ class Http1Pool:
                 ) from None
             finally:
                 timer.disarm()
+        except BaseException:
+            if _answer_in(answered) is None:
+                conn.close()
+            raise
         finally:
-            protocol.head_hook = None
+            if protocol.head_hook is hook:  # (another request may have the connection now)
+                protocol.head_hook = None
             timer.close()
 
     def _head_from(self, conn: _Connection) -> Response | None:
@@ -493,6 +501,13 @@ class Http1Pool:
             status, version, headers = _parse_head(raw)
             if status >= 200:
                 return Response(self, conn, status, version, headers)
+
+
+def _answer_in(answered: asyncio.Future[Response]) -> Response | None:
+    """The answer ``answered`` holds, if it came (not an error, not cancelled)."""
+    if answered.done() and not answered.cancelled() and answered.exception() is None:
+        return answered.result()
+    return None
 
 
 class _Stale(Exception):
