@@ -1682,3 +1682,59 @@ async def test_events_arriving_while_the_head_s_send_waits_in_the_task_wait_behi
             assert record.choices[0].completion_token_ids == [1, 2]
         finally:
             await gateway.aclose()
+
+
+async def test_a_stream_whose_chunks_are_not_the_api_s_shape_is_kept_and_its_rollout_finishes(
+    serve: Any,
+) -> None:
+    # JSON objects, so relayed as they came; not chat chunks, so the record cannot fold
+    # them: it keeps them as they came and says why, and the rollout still finishes.
+    odd = b'data: {"id":"c1","choices":[{"index":0,"delta":"oops"}]}\n\ndata: [DONE]\n\n'
+    with serve_in_thread(_one_piece_upstream(odd)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            with contextlib.suppress(Exception):  # the SDK may choke on the odd chunk
+                async for _ in stream:
+                    pass
+        [call] = await served.calls(ro["rollout_id"])
+        assert "parse_error" in call.metadata
+        assert call.metadata["token_ids"] == "unparsed"
+        assert [c["choices"][0]["delta"] for c in call.metadata["stream_chunks"]] == [
+            {"content": "Hel"},
+            {"content": "lo"},
+            "oops",
+        ]
+        r = await served.admin.post(f"/admin/rollouts/{ro['rollout_id']}/finish", json={})
+        assert r.status_code == 200, r.text
+        await served.admin.aclose()
+
+
+async def test_a_relay_failing_after_done_still_releases_its_upstream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = asyncio.Event()
+    first, rest = SSE_HEAD + _sse_chunk("a", [1]), DONE_AND_END
+    async with _raw_upstream([first, rest], [release]) as url:
+        gateway = Gateway([url], retry=FAST_RETRY)
+        try:
+
+            def broken_add(*args: Any, **kwargs: Any) -> None:
+                raise RuntimeError("a bug while noting the call")
+
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            outcome, _, scope, receive = await _agent_call(gateway, send)
+            monkeypatch.setattr(Rollout, "add", broken_add)
+            release.set()
+            with pytest.raises(RuntimeError, match="a bug while noting"):
+                await outcome(scope, receive, send)
+            [upstream] = gateway.pool.upstreams
+            assert upstream.in_flight == 0  # its answer was closed, not left open
+            assert gateway.pool.client.idle_connections() == 0
+        finally:
+            await gateway.aclose()

@@ -955,3 +955,20 @@ async def test_a_post_cancelled_after_its_whole_answer_came_leaves_the_connectio
         assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
         assert srv.connections == 1
         await pool.aclose()
+
+
+async def test_a_sink_that_fails_as_the_answer_ends_drops_it_and_keeps_the_pool_sound() -> None:
+    class Failing(Early):
+        def end(self) -> None:
+            raise RuntimeError("a sink bug")
+
+    async with serve(scripted(CHUNKED_HEAD + b"3\r\nabc\r\n0\r\n\r\n")) as srv:
+        pool = Http1Pool(Timeouts(connect=5, read=5))
+        with pytest.raises(RuntimeError, match="a sink bug"):
+            await pool.post(srv.url, b"{}", HEADERS, early=Failing())
+        # The answer had put its connection back before the sink failed: it stays pooled
+        # and sound (not closed under whoever takes it next).
+        assert pool.idle_connections() == 1
+        assert await (await pool.post(srv.url, b"{}", HEADERS)).read() == b"{}"
+        assert srv.connections == 1
+        await pool.aclose()

@@ -954,6 +954,7 @@ class _Relay:
                 listener = _Listener(receive, heard)
 
         self._watch = watch
+        relayed = False  # to its end, or to an error event: no exception escaped
         try:
             if not self._begun:
                 await send(
@@ -961,6 +962,7 @@ class _Relay:
                 )
             await self._pump(send)
             self._relaying = False
+            relayed = True
         except asyncio.CancelledError:
             self._relaying = False
             if not client_gone:
@@ -971,7 +973,7 @@ class _Relay:
             self._watch = _no_watch
             if listener is not None:
                 listener.stop()
-            if client_gone or not self._complete:
+            if client_gone or not self._complete or not relayed:
                 await self.opened.aclose()
             if client_gone and self.call.record.error is None:
                 self.call.record.error = TraceError(

@@ -448,16 +448,21 @@ class CallRecord:
         self.finish()
         latency = self.latency_s
         assert latency is not None
+        metadata: dict[str, Any] = {"attempt_log": self.attempts}
         if self.response is None and self.raw_chunks:
             # Each chunk was checked to be a JSON object when it was relayed, so the list
             # they make parses as exactly those objects, in one call.
             chunks = orjson.loads(b"[" + b",".join(self.raw_chunks) + b"]")
             assembler = StreamAssembler(parse_api)
-            for chunk in chunks:
-                assembler.feed(chunk)
-            self.response = assembler.response()
+            try:
+                for chunk in chunks:
+                    assembler.feed(chunk)
+                self.response = assembler.response()
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                # Chunks that are JSON objects but not the API's shape: kept as they came
+                metadata["parse_error"] = f"{type(exc).__name__}: {exc}"
+                metadata["stream_chunks"] = chunks
             self.raw_chunks = None
-        metadata: dict[str, Any] = {"attempt_log": self.attempts}
         if self.status is not None:
             metadata["status"] = self.status
         choices: list[Choice] = []
@@ -470,6 +475,8 @@ class CallRecord:
                 present = {"token_ids": "unparsed", "logprobs": "unparsed"}
                 metadata["parse_error"] = f"{type(exc).__name__}: {exc}"
             metadata.update(present)
+        elif "parse_error" in metadata:
+            metadata.update(token_ids="unparsed", logprobs="unparsed")
         else:
             metadata.update(token_ids="missing", logprobs="missing")
         changed = self.request is not self.agent_request

@@ -416,17 +416,23 @@ class Http1Pool:
         pool, its body read in that callback, and serving another request already)."""
         reader, protocol = conn.reader, conn.protocol
         answered: asyncio.Future[Response] = reader._loop.create_future()  # type: ignore[attr-defined]
+        built = False  # an answer came: it owns the connection from then on
 
         def hook() -> None:
+            nonlocal built
             if answered.done():
                 return
+            response: Response | None = None
             try:
                 response = self._head_from(conn)
                 if response is None:
                     return  # not all of the head yet
+                built = True
                 if early is not None and early.head(response):
                     response.tap(early)  # what came with the head goes to the sink now
             except BaseException as exc:
+                if response is not None:  # the sink failed (a bug): drop the answer
+                    response.close()
                 if not answered.done():
                     answered.set_exception(exc)
             else:
@@ -464,7 +470,7 @@ class Http1Pool:
             finally:
                 timer.disarm()
         except BaseException:
-            if _answer_in(answered) is None:
+            if not built:
                 conn.close()
             raise
         finally:
