@@ -932,8 +932,12 @@ class _Relay:
         self.status = response.status
         self._poke = response.loop.create_future()
         self._begun = True
-        self._push({"type": "http.response.start", "status": self.status, "headers": self.headers})
+        self._push(self._start())
         return True
+
+    def _start(self) -> Message:
+        """The agent's ``http.response.start``."""
+        return {"type": "http.response.start", "status": self.status, "headers": self.headers}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task(self.opened.response.loop)
@@ -957,9 +961,7 @@ class _Relay:
         relayed = False  # to its end, or to an error event: no exception escaped
         try:
             if not self._begun:
-                await send(
-                    {"type": "http.response.start", "status": self.status, "headers": self.headers}
-                )
+                await send(self._start())
             await self._pump(send)
             self._relaying = False
             relayed = True

@@ -219,13 +219,18 @@ def _presence(flags: list[bool]) -> str:
 # --- reassembling a stream -------------------------------------------------------------
 
 
+def _choices(chunk: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A chunk's choices; a malformed list (or entry) is skipped, never raised on."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return []
+    return [raw for raw in choices if isinstance(raw, Mapping)]
+
+
 def has_output(chunk: Mapping[str, Any]) -> bool:
     """Whether a chat or completions chunk carries output (text, reasoning, tool calls,
     token ids): what :meth:`StreamAssembler.feed` answers, without folding the chunk."""
-    choices = chunk.get("choices")
-    for raw in choices if isinstance(choices, list) else ():
-        if not isinstance(raw, Mapping):
-            continue
+    for raw in _choices(chunk):
         if raw.get("token_ids") or raw.get("text"):
             return True
         delta = raw.get("delta")
@@ -258,10 +263,8 @@ class StreamAssembler:
             elif key != "choices":
                 self.top.setdefault(key, value)
         produced = False
-        choices = chunk.get("choices")
-        for raw in choices if isinstance(choices, list) else ():  # a malformed one: skipped
-            if isinstance(raw, Mapping):
-                produced |= self._choice(raw)
+        for raw in _choices(chunk):
+            produced |= self._choice(raw)
         return produced
 
     def _choice(self, raw: Mapping[str, Any]) -> bool:
