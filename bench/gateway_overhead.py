@@ -26,6 +26,9 @@ One invocation starts, each in its own process, bound to 127.0.0.1 on free ports
   minimal asyncio-streams client (``floor-raw``: the least a Python proxy costs here) or
   one pooled ``aiohttp.ClientSession`` (``floor``). Measured in the same run, they show
   what any Python gateway must pay on this machine, and what envport adds on top.
+* ``floor-nginx``: nginx (Debian's ``nginx-light``; not installed by this file) as the
+  same pass-through, one worker, keep-alive upstream connections, ``proxy_buffering
+  off``: what a proxy written in C costs for the extra hop on this machine.
 * ``envport``: ``.venv/bin/python -m envport.gateway --upstream URL/v1 --port P
   --store DB`` (orchestrator token from ``ENVPORT_GATEWAY_TOKEN``). Calls go to
   ``{base_url}/chat/completions`` with the rollout's token, one rollout per client
@@ -49,6 +52,12 @@ gateway process's CPU time (user+sys, all threads, from /proc) per call, during 
 calls; ``+rollouts us/call`` adds what envport spends between rounds on the rollouts'
 bookkeeping (finishing the last round's: building and storing their traces; creating
 the next), the CPU per call of the whole workload (one rollout per worker per round).
+
+Where a stream's added TTFT is (``+in ms`` / ``+out ms``): the fake upstream writes into
+each stream's role chunk when the request reached it and when it wrote the answer
+(``perf_counter``, CLOCK_MONOTONIC, one clock for every process here), so each TTFT splits
+into the way in (client write → upstream read) and the way back (upstream write → first
+content at the client); the columns are their p50s over ``direct``'s.
 
 Arrivals (``--arrivals``): ``lockstep`` (default) starts a level's ``c`` workers together
 in every round, and since every call takes as long, they stay together: at c=32 each
@@ -86,6 +95,8 @@ import contextlib
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import socket
 import statistics
@@ -152,6 +163,10 @@ def completion_body() -> bytes:
         },
     }
     return json.dumps(body, separators=(",", ":")).encode()
+
+
+_BENCH_ID = b'"id":"chatcmpl-bench"'
+_STAMP = re.compile(rb'"id":"up:([0-9.]+):([0-9.]+)"')
 
 
 def stream_events(chunks: int) -> list[bytes]:
@@ -266,7 +281,7 @@ class _UpstreamProtocol(asyncio.Protocol):
         delay = cfg["delay_s"]
         if stream:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._stream(delay))
+            asyncio.get_running_loop().create_task(self._stream(delay, time.perf_counter()))
         elif delay > 0:
             self.busy = True
             asyncio.get_running_loop().call_later(delay, self._late_answer)
@@ -280,7 +295,7 @@ class _UpstreamProtocol(asyncio.Protocol):
         self.busy = False
         self._drain()
 
-    async def _stream(self, delay: float) -> None:
+    async def _stream(self, delay: float, arrived: float) -> None:
         assert self.transport is not None
         cfg = self.cfg
         try:
@@ -289,7 +304,12 @@ class _UpstreamProtocol(asyncio.Protocol):
             events: list[bytes] = cfg["events"]
             t = self.transport
             # Head + role chunk + first content chunk at once; then one chunk per gap.
-            t.write(cfg["sse_head"] + _chunked(events[0] + events[1]))
+            # The role chunk's id carries when the request arrived and when this answer
+            # is written (CLOCK_MONOTONIC, the same in every process here): the client
+            # splits each TTFT into its way in and its way back (``_legs``).
+            stamp = b'"id":"up:%.7f:%.7f"' % (arrived, time.perf_counter())
+            first = events[0].replace(_BENCH_ID, stamp, 1)
+            t.write(cfg["sse_head"] + _chunked(first + events[1]))
             for event in events[2:]:
                 if cfg["gap_s"] > 0 and event != b"data: [DONE]\n\n":
                     await asyncio.sleep(cfg["gap_s"])
@@ -518,6 +538,7 @@ class Conn:
             await self._open()
         assert self.reader is not None
         assert self.writer is not None
+        self.legs: tuple[float, float] | None = None
         req = (
             f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
             f"authorization: Bearer {token}\r\ncontent-type: application/json\r\n"
@@ -562,6 +583,7 @@ class Conn:
                     pending += data
                     if _has_content(pending):
                         ttft = time.perf_counter() - t0
+                        self.legs = _legs(out + pending, t0, ttft)
                         pending = b""
                 out += data
         else:
@@ -579,6 +601,16 @@ class Conn:
         if not keep:
             await self.close()
         return status, ttft, total, out
+
+
+def _legs(buf: bytes, t0: float, ttft: float) -> tuple[float, float] | None:
+    """(request leg, answer leg) of a TTFT, from the upstream's stamps in the role chunk:
+    client write → upstream read, and upstream write → first content at the client."""
+    m = _STAMP.search(buf)
+    if m is None:
+        return None
+    arrived, written = float(m.group(1)), float(m.group(2))
+    return arrived - t0, t0 + ttft - written
 
 
 def _has_content(buf: bytes) -> bool:
@@ -610,6 +642,7 @@ class Target:
     slots: list[tuple[str, str]] = field(default_factory=list)
     lat: dict[tuple[str, int], list[float]] = field(default_factory=dict)
     ttft: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    legs: dict[tuple[str, int], list[tuple[float, float]]] = field(default_factory=dict)
     wall: dict[tuple[str, int], float] = field(default_factory=dict)
     cpu: dict[tuple[str, int], float] = field(default_factory=dict)
     # the same, plus the rollouts' bookkeeping between rounds (envport: finishing the last
@@ -692,7 +725,7 @@ class Bench:
     def _slots(self, t: Target, c: int) -> list[tuple[str, str]]:
         """(path, token) per worker for the next round."""
         self.round_no += 1
-        if t.name in ("direct", "floor", "floor-raw"):
+        if t.name in ("direct", "floor", "floor-raw", "floor-nginx"):
             return [("/v1/chat/completions", "sk-bench")] * c
         if t.name in ("envport", "envport-base"):
             base = f"http://{HOST}:{t.port}"
@@ -749,6 +782,8 @@ class Bench:
                 lat.append(total)
                 if first is not None:
                     ttft.append(first)
+                    if key and conn.legs is not None:
+                        t.legs.setdefault(key, []).append(conn.legs)
 
         cpu0 = _proc_cpu(t.pid)
         t0 = time.perf_counter()
@@ -790,6 +825,41 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+_NGINX_GLOBALS = "daemon off; master_process off;"
+
+
+def _nginx_conf(logs: Path, port: int, upstream_port: int) -> Path:
+    """An nginx config for the ``floor-nginx`` target: a bare streaming pass-through."""
+    conf = logs / "nginx.conf"
+    conf.write_text(
+        f"""worker_processes 1;
+error_log {logs}/nginx-error.log warn;
+pid {logs}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {logs}/nginx-tmp;
+    proxy_temp_path {logs}/nginx-tmp;
+    upstream model {{ server {HOST}:{upstream_port}; keepalive 256; }}
+    server {{
+        listen {HOST}:{port} reuseport;
+        keepalive_requests 1000000;
+        location /health {{ proxy_pass http://model; }}
+        location / {{
+            proxy_pass http://model;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            tcp_nodelay on;
+        }}
+    }}
+}}
+"""
+    )
+    return conf
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 120) -> None:
@@ -869,6 +939,8 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 "tput": len(d) / direct.wall[key],
                 "ttft": pct(direct.ttft.get(key, []), 50),
                 "ttft99": pct(direct.ttft.get(key, []), 99),
+                "req_leg": pct([x[0] for x in direct.legs.get(key, [])], 50),
+                "ans_leg": pct([x[1] for x in direct.legs.get(key, [])], 50),
             }
         for t in targets:
             xs = t.lat.get(key, [])
@@ -894,6 +966,12 @@ def summarize(targets: list[Target]) -> list[dict[str, Any]]:
                 if mode == "stream":
                     row["added_ttft_ms"] = row["ttft_p50_ms"] - base["ttft"] * 1e3
                     row["added_ttft_p99_ms"] = row["ttft_p99_ms"] - base["ttft99"] * 1e3
+                    legs = t.legs.get(key, [])
+                    if legs:  # where the added TTFT is: the way in, or the way back
+                        req = pct([x[0] for x in legs], 50) - base["req_leg"]
+                        ans = pct([x[1] for x in legs], 50) - base["ans_leg"]
+                        row["added_req_leg_ms"] = req * 1e3
+                        row["added_ans_leg_ms"] = ans * 1e3
             rows.append(row)
     # what each gateway costs above the bare pass-through proxy (the floor)
     for key in keys:
@@ -939,6 +1017,8 @@ COLUMNS = [
     ("added_ttft_ms", "+TTFT ms"),
     ("ttft_p99_ms", "TTFT p99 ms"),
     ("added_ttft_p99_ms", "+TTFT p99 ms"),
+    ("added_req_leg_ms", "+in ms"),
+    ("added_ans_leg_ms", "+out ms"),
     ("cpu_us_per_call", "gw cpu us/call"),
     ("cpu_all_us_per_call", "+rollouts us/call"),
     ("over_floor_p50_ms", "p50 over floor ms"),
@@ -1172,7 +1252,8 @@ def run_once(
     me = str(Path(__file__).resolve())
     orch = "orch-bench-token"
     ports = {
-        n: free_port() for n in ("upstream", "envport", "envport-base", "agl", "floor", "floor-raw")
+        n: free_port()
+        for n in ("upstream", "envport", "envport-base", "agl", "floor", "floor-raw", "floor-nginx")
     }
     upstream_url = f"http://{HOST}:{ports['upstream']}/v1"
     agl_ids: list[list[str]] = []
@@ -1238,6 +1319,21 @@ def run_once(
                     )
                 )
                 wait_http(f"http://{HOST}:{ports[name]}/health", proc, f"{name} proxy")
+                targets.append(Target(name, ports[name], proc.pid))
+            elif name == "floor-nginx":
+                conf = _nginx_conf(logs, ports[name], ports["upstream"])
+                nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+                if not Path(nginx).exists():
+                    raise SystemExit("target floor-nginx needs nginx (apt-get install nginx-light)")
+                proc = stack.enter_context(
+                    started(
+                        # one process, in the foreground: its CPU is the pid's CPU
+                        [nginx, "-c", str(conf), "-p", str(logs), "-g", _NGINX_GLOBALS],
+                        logs / f"{name}.log",
+                        cpus=server_cpus,
+                    )
+                )
+                wait_http(f"http://{HOST}:{ports[name]}/health", proc, "nginx proxy")
                 targets.append(Target(name, ports[name], proc.pid))
             elif name == "agl":
                 agl_py = ensure_agl(Path(args.agl_python))
