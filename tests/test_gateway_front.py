@@ -307,6 +307,10 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
                 }
             )
             return
+        if scope["path"] == "/bad-name":  # a lone LF in a name, after a good header
+            headers = [(b"x-fine", b"1"), (b"x-a\nb", b"v")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"part", "more_body": True})
         if scope["path"] == "/raise-midway":
@@ -319,6 +323,7 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
             "/raise-first",
             "/nothing",
             "/bad-header",
+            "/bad-name",
             "/raise-after-start",
             "/wrong-length",
         ):
@@ -337,6 +342,8 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
     text = caplog.text
     assert "boom before the answer" in text
     assert "boom after the start" in text
+    assert "Invalid HTTP header b'x-evil'" in text
+    assert "Invalid HTTP header b'x-a\\nb'" in text
     assert "shorter than its Content-Length" in text
     assert "boom midway" in text
     assert "sent no response" in text

@@ -7,6 +7,7 @@ gives it, so framing, keep-alive and every way an answer can go wrong are exerci
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -273,10 +274,44 @@ async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once
 
     async with serve(handler) as srv:
         pool = Http1Pool()
-        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":1}'
-        assert await (await pool.post(srv.url, b"{}", HEADERS, early=early)).read() == b'{"n":2}'
+        writes: list[int] = []
+        sent = functools.partial(writes.append, 1)
+        first = await pool.post(srv.url, b"{}", HEADERS, early=early, sent=sent)
+        assert await first.read() == b'{"n":1}'
+        assert writes == [1]
+        second = await pool.post(srv.url, b"{}", HEADERS, early=early, sent=sent)
+        assert await second.read() == b'{"n":2}'
+        assert writes == [1, 1, 1]  # told of each write: the first, and the one sent again
         assert srv.connections == 2
         await pool.aclose()
+
+
+async def test_sent_is_told_once_the_request_is_written_and_a_failing_one_drops_it() -> None:
+    async with serve(answering(json_answer(b"{}"), json_answer(b"{}"))) as srv:
+        pool = Http1Pool()
+        told: list[bool] = []
+
+        def sent() -> None:  # in the caller's task, before it awaits the answer
+            told.append(asyncio.current_task() is not None)
+
+        response = await pool.post(srv.url, b"{}", HEADERS, sent=sent)
+        assert told == [True]
+        assert await response.read() == b"{}"
+        assert pool.idle_connections() == 1
+
+        def failing() -> None:
+            raise RuntimeError("a bug in the caller's bookkeeping")
+
+        with pytest.raises(RuntimeError, match="bookkeeping"):
+            await pool.post(srv.url, b"{}", HEADERS, sent=failing)
+        assert pool.idle_connections() == 0  # its answer is owed on it: not reused
+        await pool.aclose()
+
+    # no connection, nothing written: never told
+    pool = Http1Pool(Timeouts(connect=1))
+    with pytest.raises(ConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}/v1", b"{}", HEADERS, sent=sent)
+    assert told == [True]
 
 
 async def test_no_answer_on_a_new_connection_is_an_error(early: Declining | None) -> None:
@@ -315,6 +350,7 @@ async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message:
     ("answer", "message"),
     [
         (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+        (b"HTTP/1.1 2\xb2\xb3 OK\r\n\r\n", "not an HTTP/1.x status line"),  # not ASCII digits
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
         (JSON_HEAD + b"content-length: lots\r\n\r\n", "invalid content-length"),
         (b"HTTP/1.1 200 OK\r\ncontent-le", "headers cut short"),

@@ -15,10 +15,23 @@ import types
 # What asyncio's own eager tasks (3.12+) use to run code as a given task; present in
 # every CPython envport supports (3.11 on), though not public API.
 from asyncio.tasks import _enter_task, _leave_task
-from collections.abc import Coroutine, Generator
+from collections.abc import Awaitable, Coroutine, Generator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def as_coroutine(awaitable: Awaitable[T]) -> Coroutine[Any, Any, T]:
+    """``awaitable`` as a coroutine that can be stepped with ``send``: itself when it is
+    one (an ``async def`` call, checked by type first: ``isinstance`` against the
+    ``Coroutine`` ABC costs more than the rest of a relay's step), else wrapped."""
+    if type(awaitable) is types.CoroutineType or isinstance(awaitable, Coroutine):
+        return awaitable
+    return _awaited(awaitable)
+
+
+async def _awaited(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 @types.coroutine

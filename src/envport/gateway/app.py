@@ -51,11 +51,11 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
-    Awaitable,
     Callable,
     Coroutine,
     Sequence,
@@ -72,7 +72,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from envport.coro import resume
+from envport.coro import as_coroutine, resume
 from envport.errors import EnvportError
 from envport.gateway.auth import Grant, TokenRegistry, token_from_headers
 from envport.gateway.capture import (
@@ -564,25 +564,35 @@ class Gateway:
             )
             return exc.response(api.dialect), None
         rollout.begin()
-        call = _Call(
-            gateway=self,
-            rollout=rollout,
-            api=api,
-            record=CallRecord(
-                api=api.name,
-                agent_request=body,
-                request=forwarded,
-                policy_version=version,
-                streamed=stream,
-            ),
-            raw=raw,
-            client_retry=_int_header(headers.get(SDK_RETRY_HEADER)),
-        )
+        t0 = time.perf_counter()
+        call_id = new_id()
         payload = raw if forwarded is body else orjson.dumps(forwarded)
         # A pass-through stream is relayed from the moment upstream's head arrives, from
         # that read callback: a burst of answers does not queue behind the bookkeeping
         # of each one (done by this task afterwards) before its first token goes out.
-        relay = _Relay(call, send) if stream and send is not None and api.early else None
+        relay = _Relay(api, call_id, send) if stream and send is not None and api.early else None
+        made: _Call | None = None
+
+        def the_call() -> _Call:
+            """The call and its record, made once upstream has the request (``sent``): on
+            the way to the first token, the request is written before any bookkeeping."""
+            nonlocal made
+            if made is None:
+                record = CallRecord(
+                    api=api.name,
+                    agent_request=body,
+                    request=forwarded,
+                    policy_version=version,
+                    streamed=stream,
+                    t0=t0,
+                    call_id=call_id,
+                )
+                client_retry = _int_header(headers.get(SDK_RETRY_HEADER))
+                made = _Call(self, rollout, api, record, raw, client_retry)
+                if relay is not None:
+                    relay.call = made
+            return made
+
         try:
             opened = await self.pool.send(
                 api.upstream_path,
@@ -590,17 +600,22 @@ class Gateway:
                 rollout_id=rollout.rollout_id,
                 stream=stream,
                 early=relay,
+                sent=the_call,
             )
         except UpstreamFailure as failure:
+            call = the_call()
             call.record.attempts = [a.to_json() for a in failure.attempts]
             call.fail(failure.error)
             return failure.error.response(api.dialect), call
         except BaseException:
-            call.done()
+            the_call().done()
             raise
+        call = the_call()
         call.opened = opened  # its endpoint and tries are noted on the record in done()
         if stream and opened.status < 400:
-            relay = relay or _Relay(call)
+            if relay is None:
+                relay = _Relay(api, call_id)
+                relay.call = call
             relay.bind(opened)
             return relay, call
         await opened.aclose()  # the body is read already
@@ -814,10 +829,6 @@ def _no_watch() -> None:
     pass
 
 
-async def _awaited(awaitable: Awaitable[Any]) -> Any:
-    return await awaitable
-
-
 class _Listener:
     """``receive()`` awaited without a task of its own: the coroutine is stepped from
     the callback of the future it waits on (as a task would step it, less the task's
@@ -828,9 +839,7 @@ class _Listener:
 
     def __init__(self, receive: Receive, heard: Callable[[Message], None]) -> None:
         call = receive()
-        self._call: Coroutine[Any, Any, Message] = (
-            call if isinstance(call, Coroutine) else _awaited(call)
-        )
+        self._call: Coroutine[Any, Any, Message] = as_coroutine(call)
         self._heard = heard
         self._waiting: asyncio.Future[Any] | None = None
         self._step()
@@ -883,23 +892,23 @@ class _Relay:
     binds the relay to the answer (:meth:`bind`) and runs it as usual from there.
     """
 
+    call: _Call  # set once upstream has the request (see Gateway._forward)
     opened: Opened  # set by bind()
 
-    def __init__(self, call: _Call, send: Send | None = None) -> None:
+    def __init__(self, api: Api, call_id: str, send: Send | None = None) -> None:
         self.status = 200
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
-            (_CALL_ID, call.record.call_id.encode()),
+            (_CALL_ID, call_id.encode()),
         ]
-        self.call = call
         self.response: UpstreamResponse | None = None  # upstream's answer
         self._bound = False  # bind() was called: the call's task has the answer
         self._begun = False  # the agent's head went out from upstream's read callback
         self.datas: list[bytes] = []  # each chunk's JSON, as upstream sent it
         self._first = False
         self._complete = False  # [DONE] arrived
-        self._translating = call.api.stream_from_chat is not None
+        self._translating = api.stream_from_chat is not None
         self._relaying = True  # a disconnect heard now cuts the stream
         self._ended = False  # the agent's answer was ended (with [DONE])
         self._watch: Callable[[], None] = _no_watch  # starts listening for a disconnect
@@ -1120,7 +1129,7 @@ class _Relay:
             self.response.pause()  # (it may have been untapped when that send stalled)
             return
         sent = self._send(message)
-        call = sent if isinstance(sent, Coroutine) else _awaited(sent)
+        call = as_coroutine(sent)
         try:
             pending = call.send(None)
         except StopIteration:

@@ -57,6 +57,7 @@ GRACE_S = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # ours to set
 
 
 def _status_line(status: int) -> bytes:
@@ -211,20 +212,28 @@ class _Exchange:
 
     def _head(self, status: int, headers: Any) -> bytes:
         self.status = status
-        parts = [_status_line(status), self.conn.server.clock.date()]
+        fields: list[bytes] = []
         length: int | None = None
         for name, value in headers:
-            if b"\n" in value or b"\r" in value or b"\n" in name or b"\r" in name:
-                raise RuntimeError(f"Invalid HTTP header {name!r}: {value!r}")
-            lower = name.lower()
-            if lower == b"content-length":
-                length = int(value)
-            elif lower == b"transfer-encoding":
-                continue  # the server frames the body itself
-            elif lower == b"connection" and b"close" in value.lower():
-                self.keep_alive = False
-                continue
-            parts += (name, b": ", value, b"\r\n")
+            if name.lower() in _FRAMING:
+                lower = name.lower()
+                if lower == b"content-length":
+                    length = int(value)
+                elif lower == b"transfer-encoding":
+                    continue  # the server frames the body itself
+                elif b"close" in value.lower():  # connection: close
+                    self.keep_alive = False
+                    continue
+            fields += (name, b": ", value, b"\r\n")
+        lines = b"".join(fields)
+        # One line per header, no more: a CR or LF inside a name or value would start
+        # another header (or the body). Counted over all of them at once.
+        if lines.count(b"\n") != len(fields) // 4 or lines.count(b"\r") != len(fields) // 4:
+            for i in range(0, len(fields), 4):
+                name, value = fields[i], fields[i + 2]
+                if any(c in name or c in value for c in (b"\r", b"\n")):
+                    raise RuntimeError(f"Invalid HTTP header {name!r}: {value!r}")
+        parts = [_status_line(status), self.conn.server.clock.date(), lines]
         if length is not None:
             self.left = 0 if self.head_only else length
         elif not self.head_only and status not in _NO_BODY_STATUSES and status >= 200:

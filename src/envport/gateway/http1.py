@@ -374,6 +374,7 @@ class Http1Pool:
         *,
         deadline: float | None = None,
         early: EarlySink | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> Response:
         """POST ``body``; returns once the status line and headers arrived.
 
@@ -384,6 +385,11 @@ class Http1Pool:
         ``early`` is offered the answer from the read callback its head arrived in
         (:meth:`EarlySink.head`); if it takes it, the body is tapped to it from there
         and the returned response is that tapped one.
+
+        ``sent`` is called each time the request has been written (again if it is sent
+        once more on a new connection), before anything is awaited: a caller's
+        bookkeeping goes there, done while upstream already works on the request instead
+        of before upstream has it.
         """
         if self.closed:
             raise ConnectError("the HTTP client is closed")
@@ -396,6 +402,8 @@ class Http1Pool:
                 conn = await self._connect(target.key, deadline)
             try:
                 conn.writer.write(request)
+                if sent is not None:
+                    sent()
             except BaseException:
                 conn.close()
                 raise
@@ -521,17 +529,24 @@ class _Stale(Exception):
 
 
 def _parse_head(raw: bytes) -> tuple[int, bytes, dict[str, str]]:
-    lines = raw[:-4].split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    if not version.startswith(b"HTTP/1.") or len(rest) < 3 or not rest[:3].isdigit():
-        raise RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:100]!r}")
+    lines = raw[:-4].decode("latin-1").split("\r\n")  # one decode for the whole head
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if (
+        not version.startswith("HTTP/1.")
+        or len(code) < 3
+        or not (code.isascii() and code.isdigit())
+    ):
+        raise RemoteProtocolError(
+            f"not an HTTP/1.x status line: {lines[0][:100].encode('latin-1')!r}"
+        )
     headers: dict[str, str] = {}
     for line in lines[1:]:
-        name, sep, value = line.partition(b":")
+        name, sep, value = line.partition(":")
         if not sep:
-            raise RemoteProtocolError(f"malformed header line: {line[:100]!r}")
-        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    return int(rest[:3]), version, headers
+            raise RemoteProtocolError(f"malformed header line: {line[:100].encode('latin-1')!r}")
+        headers[name.strip(" \t").lower()] = value.strip(" \t")  # OWS: spaces, tabs
+    return int(code), version.encode("latin-1"), headers
 
 
 # --- responses ------------------------------------------------------------------------------

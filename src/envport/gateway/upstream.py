@@ -34,7 +34,7 @@ import dataclasses
 import email.utils
 import random
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -269,6 +269,7 @@ class UpstreamPool:
         rollout_id: str,
         stream: bool = False,
         early: EarlySink | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> Opened:
         """POST ``body`` to ``path`` on the rollout's upstream, retrying within budget.
 
@@ -278,6 +279,8 @@ class UpstreamPool:
         the returned :class:`Opened` and must ``aclose()`` it. ``early`` (a stream's
         relay) is offered each try's answer as its head arrives (:meth:`Http1Pool.post`);
         it takes only one it will relay (a success), so a retried answer never reaches it.
+        ``sent`` is called each time a try's request has been written (see
+        :meth:`Http1Pool.post`).
         """
         policy = self.retry
         start = time.monotonic()
@@ -295,7 +298,9 @@ class UpstreamPool:
             t0 = time.monotonic()
             wait: float | None = None
             try:
-                response, content = await self._try(upstream, path, body, stream, remaining, early)
+                response, content = await self._try(
+                    upstream, path, body, stream, remaining, early, sent
+                )
             except TimeoutError as exc:  # ConnectTimeout and ReadTimeout are TimeoutErrors
                 detail = _describe(exc)
                 last_exc = UpstreamTimeoutError(
@@ -353,6 +358,7 @@ class UpstreamPool:
         stream: bool,
         remaining: float,
         early: EarlySink | None = None,
+        sent: Callable[[], object] | None = None,
     ) -> tuple[Response, bytes]:
         """One POST: the response, and its body unless streaming (then ``b""``).
 
@@ -360,7 +366,7 @@ class UpstreamPool:
         body; the client keeps it with the same timer as its read timeout."""
         deadline = asyncio.get_running_loop().time() + remaining
         response = await self.client.post(
-            upstream.url(path), body, self._headers, deadline=deadline, early=early
+            upstream.url(path), body, self._headers, deadline=deadline, early=early, sent=sent
         )
         if stream and response.status < 400:
             return response, b""
