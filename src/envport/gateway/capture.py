@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -224,7 +224,13 @@ def _choices(chunk: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     choices = chunk.get("choices")
     if not isinstance(choices, list):
         return []
-    return [raw for raw in choices if isinstance(raw, Mapping)]
+    return [raw for raw in choices if _is_mapping(raw)]
+
+
+def _is_mapping(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """``isinstance(value, Mapping)``, a parsed JSON object (a dict) checked first: the
+    ABC's check costs several times more, on every chunk of every stream."""
+    return type(value) is dict or isinstance(value, Mapping)
 
 
 def has_output(chunk: Mapping[str, Any]) -> bool:
@@ -234,7 +240,7 @@ def has_output(chunk: Mapping[str, Any]) -> bool:
         if raw.get("token_ids") or raw.get("text"):
             return True
         delta = raw.get("delta")
-        if isinstance(delta, Mapping) and (
+        if _is_mapping(delta) and (
             delta.get("content")
             or delta.get("reasoning_content")
             or delta.get("reasoning")
