@@ -362,8 +362,12 @@ class _Http11(asyncio.Protocol):
         if self.refused or self.transport.is_closing():
             return  # answered already, or the connection ends: nothing more is served
         parser = self.parser
-        parsed = httptools.parse_url(self.url)
-        raw_path = parsed.path
+        url = self.url
+        if url[:1] == b"/" and b"?" not in url and b"#" not in url:
+            raw_path, query = url, b""  # the usual request target: a bare path
+        else:
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
         path = raw_path.decode("latin-1")
         if "%" in path:
             path = urllib.parse.unquote(path)
@@ -380,7 +384,7 @@ class _Http11(asyncio.Protocol):
             "root_path": "",
             "path": path,
             "raw_path": raw_path,
-            "query_string": parsed.query or b"",
+            "query_string": query,
             "headers": self.headers,
             "state": self.server.state.copy(),
         }

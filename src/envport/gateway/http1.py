@@ -195,10 +195,14 @@ class _Protocol(asyncio.StreamReaderProtocol):
     tap: Response | None = None
     head_hook: Callable[[], None] | None = None  # an answer's head is awaited
 
+    def __init__(self, reader: asyncio.StreamReader, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(reader, loop=loop)
+        self.reader = reader  # fed directly (the base class holds it by a weak reference)
+
     def data_received(self, data: bytes) -> None:
         tap = self.tap
         if tap is None:
-            super().data_received(data)
+            self.reader.feed_data(data)
             if self.head_hook is not None:
                 self.head_hook()
         else:
@@ -310,7 +314,7 @@ class Http1Pool:
             until = deadline
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=_READER_LIMIT, loop=loop)
-        protocol = _Protocol(reader, loop=loop)
+        protocol = _Protocol(reader, loop)
         try:
             async with asyncio.timeout_at(until):
                 # what asyncio.open_connection does, with a protocol that can be tapped
@@ -509,7 +513,7 @@ class Http1Pool:
                         raise _Stale
                     raise RemoteProtocolError(f"{_CUT} (headers cut short)")
                 return None
-            raw = bytes(buf[: end + 4])
+            raw = buf[: end + 4]
             del buf[: end + 4]
             reader._maybe_resume_transport()  # type: ignore[attr-defined]
             status, version, headers = _parse_head(raw)
@@ -528,7 +532,7 @@ class _Stale(Exception):
     """No byte of an answer came back: the server had closed the connection."""
 
 
-def _parse_head(raw: bytes) -> tuple[int, bytes, dict[str, str]]:
+def _parse_head(raw: bytes | bytearray) -> tuple[int, bytes, dict[str, str]]:
     lines = raw[:-4].decode("latin-1").split("\r\n")  # one decode for the whole head
     version, _, rest = lines[0].partition(" ")
     code = rest[:3]
@@ -581,7 +585,7 @@ class Response:
         self._tap_timer: asyncio.TimerHandle | None = None
         self._tap_last = 0.0  # loop time of the tap's last read
         self._tap_paused = False
-        self._loop = asyncio.get_running_loop()  # the tap's read timeout keeps its time
+        self._loop: asyncio.AbstractEventLoop = conn.reader._loop  # type: ignore[attr-defined]
         if status in _NO_BODY or status < 200:
             self._length = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
@@ -596,11 +600,14 @@ class Response:
                 ) from None
         else:
             self._keep_alive = False  # the body ends with the connection
-        try:
-            self._decoder = _decoder(headers.get("content-encoding", ""))
-        except RemoteProtocolError:
-            self.close()
-            raise
+        self._decoder: Any = None
+        encoding = headers.get("content-encoding")
+        if encoding:
+            try:
+                self._decoder = _decoder(encoding)
+            except RemoteProtocolError:
+                self.close()
+                raise
         if self._length == 0:
             self._finish()
 
@@ -760,14 +767,12 @@ class Response:
         conn.protocol.tap = self
         self._tap_last = self._loop.time()
         self._tap_arm()
-        if reader._buffer:  # type: ignore[attr-defined]  # what arrived before the tap
-            read = reader.read(len(reader._buffer))  # type: ignore[attr-defined]
-            try:
-                read.send(None)
-            except StopIteration as got:  # buffered: no wait (and the transport resumed)
-                self._tapped(got.value)
-            else:  # cannot happen with bytes buffered; be safe
-                read.close()
+        buf: bytearray = reader._buffer  # type: ignore[attr-defined]
+        if buf:  # what arrived before the tap (taken as reader.read() would, no wait)
+            data = bytes(buf)
+            buf.clear()
+            reader._maybe_resume_transport()  # type: ignore[attr-defined]
+            self._tapped(data)
         if self._sink is sink and (reader.at_eof() or reader.exception() is not None):
             self._tapped_end(reader.exception())  # it ended (or broke) before the tap
         return True
