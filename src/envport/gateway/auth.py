@@ -9,10 +9,13 @@ Two scopes, nothing in between:
   recorded calls (its own included), pause, finish, or act as another rollout.
 
 Tokens are random (``secrets.token_urlsafe``), carry a recognisable prefix (``epo_`` /
-``epa_``) so a leaked one is easy to find in logs, and are kept only as SHA-256 digests.
-Agent tokens expire after a TTL and are revoked when their rollout is finished. A
-request presents its token as ``Authorization: Bearer …`` (the openai SDK, recent
-anthropic SDKs) or ``x-api-key: …`` (older anthropic SDKs).
+``epa_``) so a leaked one is easy to find in logs, and are stored (the gateway's SQLite
+file) only as SHA-256 digests. A token that passed a check is remembered in memory until
+it is revoked, so the next call with it is not hashed again: on the model call's path a
+cold SHA-256 costs more than the rest of the check. Agent tokens expire after a TTL and
+are revoked when their rollout is finished. A request presents its token as
+``Authorization: Bearer …`` (the openai SDK, recent anthropic SDKs) or ``x-api-key: …``
+(older anthropic SDKs).
 
 Denials: a missing, unknown, expired or revoked token is **401**; a valid token used out
 of its scope (an agent on an admin route, an agent naming another rollout) is **403**.
@@ -89,6 +92,9 @@ class TokenRegistry:
             _digest(self.orchestrator_token): Grant(Scope.ORCHESTRATOR)
         }
         self._by_rollout: dict[str, str] = {}
+        # tokens that passed a check, and by digest (to forget them when revoked)
+        self._checked: dict[str, Grant] = {}
+        self._checked_digest: dict[str, str] = {}
 
     def issue_agent(self, rollout_id: str, ttl_s: float | None) -> tuple[str, Grant]:
         token = new_token(Scope.AGENT)
@@ -106,6 +112,7 @@ class TokenRegistry:
     def restore_agent(self, rollout_id: str, digest: str, expires_at: float | None) -> Grant:
         """Accept again the agent token whose digest is ``digest`` (after a restart)."""
         grant = Grant(Scope.AGENT, rollout_id, expires_at)
+        self._forget(digest)
         self._grants[digest] = grant
         self._by_rollout[rollout_id] = digest
         return grant
@@ -114,6 +121,7 @@ class TokenRegistry:
         digest = self._by_rollout.pop(rollout_id, None)
         if digest is not None:
             self._grants.pop(digest, None)
+            self._forget(digest)
 
     def check(self, token: str | None) -> Grant:
         """The grant of ``token``; :class:`AuthenticationError` (401) if it has none."""
@@ -123,12 +131,20 @@ class TokenRegistry:
                 "with the token POST /admin/rollouts returned.",
                 error_code="missing_token",
             )
-        grant = self._grants.get(_digest(token))
+        grant = self._checked.get(token)
         if grant is None:
-            raise AuthenticationError(
-                "Unknown or revoked token (tokens are revoked when their rollout finishes).",
-                error_code="invalid_token",
-            )
+            digest = _digest(token)
+            grant = self._grants.get(digest)
+            if grant is None:
+                raise AuthenticationError(
+                    "Unknown or revoked token (tokens are revoked when their rollout finishes).",
+                    error_code="invalid_token",
+                )
+            if len(self._checked) >= _CHECKED_MAX:  # (more live tokens than that: rare)
+                self._checked.clear()
+                self._checked_digest.clear()
+            self._checked[token] = grant
+            self._checked_digest[digest] = token
         if grant.expired():
             raise AuthenticationError(
                 "The token has expired; ask the orchestrator for a new rollout.",
@@ -142,9 +158,18 @@ class TokenRegistry:
         dead = [d for d, g in self._grants.items() if g.expired(now)]
         for d in dead:
             grant = self._grants.pop(d)
+            self._forget(d)
             if grant.rollout_id is not None and self._by_rollout.get(grant.rollout_id) == d:
                 del self._by_rollout[grant.rollout_id]
         return len(dead)
+
+    def _forget(self, digest: str) -> None:
+        token = self._checked_digest.pop(digest, None)
+        if token is not None:
+            self._checked.pop(token, None)
+
+
+_CHECKED_MAX = 100_000
 
 
 def new_token(scope: Scope) -> str:
