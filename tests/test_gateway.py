@@ -1738,3 +1738,33 @@ async def test_a_relay_failing_after_done_still_releases_its_upstream(
             assert gateway.pool.client.idle_connections() == 0
         finally:
             await gateway.aclose()
+
+
+async def test_a_stream_stalling_after_its_first_events_ends_with_a_timeout_error_event() -> None:
+    """The first events come with the head (relayed from the read callback), then upstream
+    goes quiet: the read timeout still runs, and the agent gets an error event."""
+    never = asyncio.Event()
+    first = SSE_HEAD + _sse_chunk("Hel", [1, 2])
+    async with _raw_upstream([first, DONE_AND_END], [never]) as url:
+        timeout = httpx.Timeout(0.3, connect=2.0)
+        gateway = Gateway([url], retry=FAST_RETRY, timeout=timeout)
+        try:
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            outcome, call, scope, receive = await _agent_call(gateway, send)
+            assert b'"Hel"' in sent[1]["body"]  # relayed before the stall
+            await asyncio.wait_for(outcome(scope, receive, send), 10)
+            call.done()
+            bodies = b"".join(m.get("body", b"") for m in sent[1:])
+            assert b"stalled mid-stream" in bodies.split(b"data: ")[-1]
+            assert sent[-1].get("more_body", False) is False
+            [upstream] = gateway.pool.upstreams
+            assert upstream.in_flight == 0
+            [recorded] = gateway.rollouts[call.rollout.rollout_id].calls
+            assert recorded.error is not None
+            assert "stalled mid-stream" in recorded.error.message
+        finally:
+            await gateway.aclose()

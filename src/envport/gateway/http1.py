@@ -563,6 +563,24 @@ class Response:
     A reader may stop early (leave :meth:`chunks` at a piece) and later read on from there.
     """
 
+    __slots__ = (
+        "_chunks",
+        "_conn",
+        "_decoder",
+        "_eof",
+        "_keep_alive",
+        "_left",
+        "_length",
+        "_loop",
+        "_pool",
+        "_sink",
+        "_tap_last",
+        "_tap_paused",
+        "_tap_timer",
+        "headers",
+        "status",
+    )
+
     def __init__(
         self,
         pool: Http1Pool,
@@ -766,7 +784,6 @@ class Response:
         self._sink = sink
         conn.protocol.tap = self
         self._tap_last = self._loop.time()
-        self._tap_arm()
         buf: bytearray = reader._buffer  # type: ignore[attr-defined]
         if buf:  # what arrived before the tap (taken as reader.read() would, no wait)
             data = bytes(buf)
@@ -775,6 +792,8 @@ class Response:
             self._tapped(data)
         if self._sink is sink and (reader.at_eof() or reader.exception() is not None):
             self._tapped_end(reader.exception())  # it ended (or broke) before the tap
+        if self._sink is sink and not self._tap_paused:
+            self._tap_arm()  # after what came is passed on: the first bytes go out first
         return True
 
     def tappable(self) -> bool:
