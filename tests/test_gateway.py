@@ -17,6 +17,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -455,8 +456,10 @@ async def test_upstream_down_is_502_after_retries(serve: Any) -> None:
     served: Served = serve([f"http://127.0.0.1:{free_port()}/v1"])
     ro = await served.rollout()
     async with served.client(ro) as client:
+        asked = datetime.now(UTC)
         with pytest.raises(openai.APIStatusError) as info:
             await client.chat.completions.create(model="m", messages=ASK)
+        answered = datetime.now(UTC)
     assert info.value.status_code == 502
     assert isinstance(info.value.body, dict)
     assert info.value.body["type"] == "upstream_error"
@@ -466,6 +469,9 @@ async def test_upstream_down_is_502_after_retries(serve: Any) -> None:
     assert call.error is not None
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
     assert "ConnectError" in call.error.message
+    # when it started, not when its tries ran out (nothing was ever written upstream)
+    assert asked <= call.started_at <= call.started_at + timedelta(seconds=call.latency_s)
+    assert call.started_at + timedelta(seconds=call.latency_s) <= answered + timedelta(seconds=0.01)
 
 
 async def test_a_dead_upstream_fails_over_and_the_rollout_moves(

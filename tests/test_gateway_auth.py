@@ -17,13 +17,18 @@ def _code(registry: TokenRegistry, token: str) -> str:
     return str(caught.value.error_code)
 
 
-def test_a_token_checked_before_is_refused_once_revoked() -> None:
+def test_a_token_checked_before_is_refused_once_revoked(monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[str] = []
+    digest = auth._digest
+    monkeypatch.setattr(auth, "_digest", lambda token: hashed.append(token) or digest(token))
     registry = TokenRegistry()
     token, _ = registry.issue_agent("r1", ttl_s=None)
     other, _ = registry.issue_agent("r2", ttl_s=None)
-    for _ in range(2):  # the second check is answered from memory
+    hashed.clear()
+    for _ in range(3):
         grant = registry.check(token)
         assert (grant.scope, grant.rollout_id) == (Scope.AGENT, "r1")
+    assert hashed == [token]  # hashed once: the next checks were answered from memory
     registry.check(other)
     registry.revoke_rollout("r1")
     assert _code(registry, token) == "invalid_token"
@@ -31,11 +36,13 @@ def test_a_token_checked_before_is_refused_once_revoked() -> None:
     assert registry.check(registry.orchestrator_token).scope is Scope.ORCHESTRATOR
 
 
-def test_a_remembered_token_still_expires_and_is_pruned() -> None:
+def test_a_remembered_token_still_expires_and_is_pruned(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_000_000.0]
+    monkeypatch.setattr(auth.time, "time", lambda: now[0])
     registry = TokenRegistry()
-    token, grant = registry.issue_agent("r1", ttl_s=0.05)
+    token, grant = registry.issue_agent("r1", ttl_s=60)
     assert registry.check(token) == grant
-    time.sleep(0.06)
+    now[0] += 61
     assert _code(registry, token) == "expired_token"
     assert registry.prune() == 1
     assert _code(registry, token) == "invalid_token"  # forgotten, not only expired

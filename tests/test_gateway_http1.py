@@ -289,15 +289,22 @@ async def test_a_close_racing_the_request_on_a_reused_connection_is_retried_once
 async def test_sent_is_told_once_the_request_is_written_and_a_failing_one_drops_it() -> None:
     async with serve(answering(json_answer(b"{}"), json_answer(b"{}"))) as srv:
         pool = Http1Pool()
-        told: list[bool] = []
+        told: list[int] = []
 
-        def sent() -> None:  # in the caller's task, before it awaits the answer
-            told.append(asyncio.current_task() is not None)
+        def sent() -> None:
+            told.append(pool.idle_connections())
 
         response = await pool.post(srv.url, b"{}", HEADERS, sent=sent)
-        assert told == [True]
+        assert told == [0]
         assert await response.read() == b"{}"
         assert pool.idle_connections() == 1
+        # On a pooled connection the write, and so the call, come in the post's first
+        # step: before it awaits anything.
+        posting = asyncio.ensure_future(pool.post(srv.url, b"{}", HEADERS, sent=sent))
+        await asyncio.sleep(0)
+        assert told == [0, 0]  # the connection was taken from the pool when told
+        assert not posting.done()
+        assert await (await posting).read() == b"{}"
 
         def failing() -> None:
             raise RuntimeError("a bug in the caller's bookkeeping")
@@ -311,7 +318,7 @@ async def test_sent_is_told_once_the_request_is_written_and_a_failing_one_drops_
     pool = Http1Pool(Timeouts(connect=1))
     with pytest.raises(ConnectError):
         await pool.post(f"http://127.0.0.1:{free_port()}/v1", b"{}", HEADERS, sent=sent)
-    assert told == [True]
+    assert told == [0, 0]
 
 
 async def test_no_answer_on_a_new_connection_is_an_error(early: Declining | None) -> None:

@@ -564,7 +564,7 @@ class Gateway:
             )
             return exc.response(api.dialect), None
         rollout.begin()
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         call_id = new_id()
         payload = raw if forwarded is body else orjson.dumps(forwarded)
         # A pass-through stream is relayed from the moment upstream's head arrives, from
@@ -584,6 +584,7 @@ class Gateway:
                     request=forwarded,
                     policy_version=version,
                     streamed=stream,
+                    started_at=datetime.fromtimestamp(started, UTC),
                     t0=t0,
                     call_id=call_id,
                 )
@@ -608,7 +609,13 @@ class Gateway:
             call.fail(failure.error)
             return failure.error.response(api.dialect), call
         except BaseException:
-            the_call().done()
+            try:
+                call = the_call()
+            except BaseException:  # a bug in making it: still free the call's slots
+                rollout.end()
+                self.gate.leave()
+                raise
+            call.done()
             raise
         call = the_call()
         call.opened = opened  # its endpoint and tries are noted on the record in done()
