@@ -899,6 +899,32 @@ class _Relay:
     binds the relay to the answer (:meth:`bind`) and runs it as usual from there.
     """
 
+    __slots__ = (
+        "_begun",
+        "_bound",
+        "_buf",
+        "_complete",
+        "_ended",
+        "_final",
+        "_first",
+        "_held",
+        "_poke",
+        "_relaying",
+        "_send",
+        "_stalled",
+        "_tap_broken",
+        "_tap_cut",
+        "_tap_ended",
+        "_tap_error",
+        "_translating",
+        "_watch",
+        "call",
+        "datas",
+        "headers",
+        "opened",
+        "response",
+        "status",
+    )
     call: _Call  # set once upstream has the request (see Gateway._forward)
     opened: Opened  # set by bind()
 
