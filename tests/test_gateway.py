@@ -1774,3 +1774,28 @@ async def test_a_stream_stalling_after_its_first_events_ends_with_a_timeout_erro
             assert "stalled mid-stream" in recorded.error.message
         finally:
             await gateway.aclose()
+
+
+def test_the_synchronous_send_is_used_only_when_send_is_the_server_s_own() -> None:
+    from envport.gateway.app import _nowait
+    from envport.gateway.front import SEND_NOWAIT
+
+    class Exchange:
+        async def send(self, message: dict[str, Any]) -> None:
+            pass
+
+        def send_nowait(self, message: dict[str, Any]) -> bool:
+            return False
+
+    exchange, other = Exchange(), Exchange()
+    scope: dict[str, Any] = {"extensions": {SEND_NOWAIT: exchange.send_nowait}}
+    assert _nowait(scope, exchange.send) == exchange.send_nowait
+
+    async def wrapped(message: dict[str, Any]) -> None:  # a middleware's send
+        await exchange.send(message)
+
+    assert _nowait(scope, wrapped) is None
+    assert _nowait(scope, other.send) is None
+    assert _nowait(scope, None) is None
+    assert _nowait({}, exchange.send) is None
+    assert _nowait({"extensions": None}, exchange.send) is None

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from envport.gateway.front import serve_asgi
+from envport.gateway.front import SEND_NOWAIT, serve_asgi
 from envport.serving import serve_in_thread
 
 App = Callable[[Any, Any, Any], Awaitable[None]]
@@ -629,3 +629,36 @@ async def test_shutdown_cancels_a_pipelined_request_still_running_after_the_grac
         assert (await read_response(reader))[2] == b"quick"
         await asyncio.sleep(0.1)
     await asyncio.wait_for(ended.wait(), 5)
+
+
+async def test_the_synchronous_send_writes_at_once_and_says_when_the_socket_is_full() -> None:
+    told: list[bool] = []
+    piece = b"x" * 65536
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        nowait = scope["extensions"][SEND_NOWAIT]
+        assert nowait.__self__ is send.__self__  # the exchange's own
+        told.append(nowait({"type": "http.response.start", "status": 200, "headers": []}))
+        sent = 0
+        while sent < 200:  # the client does not read yet: its socket fills up
+            sent += 1
+            if nowait({"type": "http.response.body", "body": piece, "more_body": True}):
+                break
+        told.append(sent < 200)
+        await send({"type": "http.response.body", "body": b"", "more_body": True})  # drains
+        await send({"type": "http.response.body", "body": b"end"})
+        told.append(True)
+
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request())
+        await asyncio.sleep(0.3)  # (the kernel's buffers may take it all, and drain)
+        assert told[:2] == [False, True]  # the start never waits; the full socket is told
+        status, _, body = await asyncio.wait_for(read_response(reader), 10)
+        assert status == 200
+        assert body.endswith(b"end")
+        assert len(body) % 65536 == 3  # every piece, whole, then the end
+        assert told == [False, True, True]

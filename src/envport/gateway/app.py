@@ -100,6 +100,7 @@ from envport.gateway.errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from envport.gateway.front import SEND_NOWAIT
 from envport.gateway.http1 import Http1Pool, HTTPError
 from envport.gateway.http1 import Response as UpstreamResponse
 from envport.gateway.registry import Registration, RolloutRegistry
@@ -533,7 +534,7 @@ class Gateway:
             else:
                 rollout.errors.append(_harness_error(exc))
             return exc.response(api.dialect), None
-        return await self._forward(api, rollout, headers, raw, body, send)
+        return await self._forward(api, rollout, headers, raw, body, send, _nowait(scope, send))
 
     async def _forward(
         self,
@@ -543,6 +544,7 @@ class Gateway:
         raw: bytes,
         body: JSON,
         send: Send | None,
+        nowait: SendNowait | None = None,
     ) -> tuple[ASGIApp, _Call | None]:
         try:
             chat_body = api.to_chat(body) if api.to_chat is not None else body
@@ -570,7 +572,8 @@ class Gateway:
         # A pass-through stream is relayed from the moment upstream's head arrives, from
         # that read callback: a burst of answers does not queue behind the bookkeeping
         # of each one (done by this task afterwards) before its first token goes out.
-        relay = _Relay(api, call_id, send) if stream and send is not None and api.early else None
+        early = stream and send is not None and api.early
+        relay = _Relay(api, call_id, send, nowait) if early else None
         made: _Call | None = None
 
         def the_call() -> _Call:
@@ -633,6 +636,19 @@ _CALL_ID = CALL_ID_HEADER.encode()
 _WANTED_HEADERS = frozenset(
     {b"authorization", b"x-api-key", ROLLOUT_HEADER.encode(), SDK_RETRY_HEADER.encode()}
 )
+
+
+SendNowait = Callable[[Message], bool]
+
+
+def _nowait(scope: Scope, send: Send | None) -> SendNowait | None:
+    """The server's synchronous send (envport's own server offers one, ``SEND_NOWAIT``),
+    if ``send`` is that server's own (no middleware wraps it)."""
+    nowait = (scope.get("extensions") or {}).get(SEND_NOWAIT)
+    owner = getattr(nowait, "__self__", None)
+    if owner is None or owner is not getattr(send, "__self__", None):
+        return None
+    return nowait
 
 
 def _call_headers(scope: Scope) -> dict[str, str]:
@@ -832,6 +848,9 @@ def _error_event(dialect: Dialect, message: str) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+_DRAINED: Message = {"type": "http.response.body", "body": b"", "more_body": True}
+
+
 def _no_watch() -> None:
     pass
 
@@ -908,6 +927,7 @@ class _Relay:
         "_final",
         "_first",
         "_held",
+        "_nowait",
         "_poke",
         "_relaying",
         "_send",
@@ -928,7 +948,13 @@ class _Relay:
     call: _Call  # set once upstream has the request (see Gateway._forward)
     opened: Opened  # set by bind()
 
-    def __init__(self, api: Api, call_id: str, send: Send | None = None) -> None:
+    def __init__(
+        self,
+        api: Api,
+        call_id: str,
+        send: Send | None = None,
+        nowait: SendNowait | None = None,
+    ) -> None:
         self.status = 200
         self.headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -948,6 +974,7 @@ class _Relay:
         self._buf = b""  # the start of an event whose end has not arrived yet
         # the tapped relay (_tapped_relay): what its task is woken for
         self._send: Send | None = send
+        self._nowait = nowait  # the server's synchronous send, when it has one
         self._poke: asyncio.Future[None] | None = None
         self._stalled: tuple[Coroutine[Any, Any, None], Any] | None = None  # a send waiting
         self._held = b""  # events read while a send waited, sent after it
@@ -1161,6 +1188,18 @@ class _Relay:
             self._held += message["body"]
             self.response.pause()  # (it may have been untapped when that send stalled)
             return
+        nowait = self._nowait
+        if nowait is not None:  # no coroutine per message
+            try:
+                full = nowait(message)
+            except BaseException as exc:  # a bug: raised in the relay's task
+                self._tap_error = exc
+                self.response.untap()
+                self._wake()
+                return
+            if not full:
+                return
+            message = _DRAINED  # written; the task waits for the socket to drain
         sent = self._send(message)
         call = as_coroutine(sent)
         try:

@@ -57,6 +57,9 @@ GRACE_S = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
+# The scope extension under which an app finds the exchange's synchronous send
+# (:meth:`_Exchange.send_nowait`); envport's gateway relays streams with it.
+SEND_NOWAIT = "envport.send_nowait"
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # ours to set
 
 
@@ -159,16 +162,24 @@ class _Exchange:
             gone.set_result(None)
 
     async def send(self, message: Message) -> None:
+        if self.send_nowait(message):
+            await self.conn.drained()
+
+    def send_nowait(self, message: Message) -> bool:
+        """:meth:`send` for a caller that cannot await (a read callback), offered to the
+        app as ``scope["extensions"][SEND_NOWAIT]``: the message goes out now. True when
+        the socket's buffer is full: the caller then waits for it to drain (``await
+        send(...)`` of an empty body does) before it sends more."""
         conn = self.conn
         if conn.lost:
-            return  # the client left: nothing to write to (its disconnect was told)
+            return False  # the client left: nothing to write to (its disconnect was told)
         if not self.started:
             if message["type"] != "http.response.start":
                 raise RuntimeError(f"Expected 'http.response.start', got {message['type']!r}")
             self.head = self._head(message["status"], message.get("headers", ()))
             self.started = True
             conn.loop.call_soon(self.flush)
-            return
+            return False
         if self.complete:
             raise RuntimeError(f"Unexpected {message['type']!r} after the response completed")
         if message["type"] != "http.response.body":
@@ -201,8 +212,8 @@ class _Exchange:
         if not more:
             self.complete = True
             conn.answered(self)
-        elif conn.paused:
-            await conn.drained()
+            return False
+        return conn.paused
 
     def flush(self) -> None:
         """Write the head if no body bytes took it along (the app waits for them)."""
@@ -410,6 +421,7 @@ class _Http11(asyncio.Protocol):
         """
         exchange = _Exchange(self, body, keep_alive, scope["method"] == "HEAD")
         self.exchange = exchange
+        scope["extensions"] = {SEND_NOWAIT: exchange.send_nowait}
         call = self._run(scope, exchange)
         if asyncio.current_task(self.loop) is not None:
             # From a task (a pipelined request started when the answer before it
