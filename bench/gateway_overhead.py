@@ -1110,7 +1110,12 @@ def main() -> None:
     p.add_argument("--stream-concurrency", default="1,8,32")
     p.add_argument("--round", type=int, default=100, help="requests per target per round")
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--targets", default="direct,floor-raw,floor,envport,agl")
+    p.add_argument(
+        "--targets",
+        default="direct,floor-raw,floor,envport,agl",
+        help="comma-separated, from: direct, floor-raw, floor, floor-nginx (needs nginx), "
+        "envport, envport-base (needs --base-src), agl",
+    )
     p.add_argument(
         "--base-src",
         default=None,
