@@ -572,8 +572,8 @@ class Gateway:
         # A pass-through stream is relayed from the moment upstream's head arrives, from
         # that read callback: a burst of answers does not queue behind the bookkeeping
         # of each one (done by this task afterwards) before its first token goes out.
-        early = stream and send is not None and api.early
-        relay = _Relay(api, call_id, send, nowait) if early else None
+        relay = _Relay(api, call_id, send, nowait) if stream else None
+        early = relay if relay is not None and send is not None and api.early else None
         made: _Call | None = None
 
         def the_call() -> _Call:
@@ -603,7 +603,7 @@ class Gateway:
                 payload,
                 rollout_id=rollout.rollout_id,
                 stream=stream,
-                early=relay,
+                early=early,
                 sent=the_call,
             )
         except UpstreamFailure as failure:
@@ -622,10 +622,7 @@ class Gateway:
             raise
         call = the_call()
         call.opened = opened  # its endpoint and tries are noted on the record in done()
-        if stream and opened.status < 400:
-            if relay is None:
-                relay = _Relay(api, call_id)
-                relay.call = call
+        if relay is not None and opened.status < 400:
             relay.bind(opened)
             return relay, call
         await opened.aclose()  # the body is read already
@@ -1192,10 +1189,8 @@ class _Relay:
         if nowait is not None:  # no coroutine per message
             try:
                 full = nowait(message)
-            except BaseException as exc:  # a bug: raised in the relay's task
-                self._tap_error = exc
-                self.response.untap()
-                self._wake()
+            except BaseException as exc:
+                self._failed(exc)
                 return
             if not full:
                 return
@@ -1206,13 +1201,22 @@ class _Relay:
             pending = call.send(None)
         except StopIteration:
             return
-        except BaseException as exc:  # a bug: raised in the relay's task
-            self._tap_error = exc
-            self.response.untap()
-            self._wake()
+        except BaseException as exc:
+            self._failed(exc)
             return
         self.response.pause()
         self._stalled = (call, pending)
+        self._wake()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A broken stream, or a bug, met in a read callback: the tap ends and the task
+        is woken to end the stream (a bug is raised there, where it belongs)."""
+        assert self.response is not None
+        if isinstance(exc, _StreamBroken):
+            self._tap_broken = exc
+        else:
+            self._tap_error = exc
+        self.response.untap()
         self._wake()
 
     # BodySink: called from upstream's read callback while tapped
@@ -1222,14 +1226,8 @@ class _Relay:
             return
         try:
             events, _ = self._take(data)
-        except BaseException as exc:  # a broken stream, or a bug (raised in the task)
-            assert self.response is not None
-            if isinstance(exc, _StreamBroken):
-                self._tap_broken = exc
-            else:
-                self._tap_error = exc
-            self.response.untap()
-            self._wake()
+        except BaseException as exc:
+            self._failed(exc)
             return
         if self._complete:  # the task sends [DONE] with the end of the agent's answer
             self._final = events

@@ -226,8 +226,8 @@ class _Exchange:
         fields: list[bytes] = []
         length: int | None = None
         for name, value in headers:
-            if name.lower() in _FRAMING:
-                lower = name.lower()
+            lower = name.lower()
+            if lower in _FRAMING:
                 if lower == b"content-length":
                     length = int(value)
                 elif lower == b"transfer-encoding":

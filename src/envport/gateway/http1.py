@@ -513,12 +513,19 @@ class Http1Pool:
                         raise _Stale
                     raise RemoteProtocolError(f"{_CUT} (headers cut short)")
                 return None
-            raw = buf[: end + 4]
-            del buf[: end + 4]
-            reader._maybe_resume_transport()  # type: ignore[attr-defined]
-            status, version, headers = _parse_head(raw)
+            status, version, headers = _parse_head(_take_buffered(reader, end + 4))
             if status >= 200:
                 return Response(self, conn, status, version, headers)
+
+
+def _take_buffered(reader: asyncio.StreamReader, n: int | None = None) -> bytearray:
+    """The first ``n`` bytes the reader holds (all of them by default), taken out as its
+    ``read`` would (reading resumes if the buffer had paused it), no coroutine to drive."""
+    buf: bytearray = reader._buffer  # type: ignore[attr-defined]
+    taken = buf[:n]
+    del buf[:n]
+    reader._maybe_resume_transport()  # type: ignore[attr-defined]
+    return taken
 
 
 def _answer_in(answered: asyncio.Future[Response]) -> Response | None:
@@ -784,12 +791,8 @@ class Response:
         self._sink = sink
         conn.protocol.tap = self
         self._tap_last = self._loop.time()
-        buf: bytearray = reader._buffer  # type: ignore[attr-defined]
-        if buf:  # what arrived before the tap (taken as reader.read() would, no wait)
-            data = bytes(buf)
-            buf.clear()
-            reader._maybe_resume_transport()  # type: ignore[attr-defined]
-            self._tapped(data)
+        if reader._buffer:  # type: ignore[attr-defined]  # what arrived before the tap
+            self._tapped(bytes(_take_buffered(reader)))
         if self._sink is sink and (reader.at_eof() or reader.exception() is not None):
             self._tapped_end(reader.exception())  # it ended (or broke) before the tap
         if self._sink is sink and not self._tap_paused:
