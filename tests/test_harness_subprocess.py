@@ -486,7 +486,16 @@ async def main():
         await session.initialize()
         tools = [t.name for t in (await session.list_tools()).tools]
         result = await session.call_tool("guess", {"number": 50})
-    print(json.dumps({"tools": tools, "result": json.loads(result.content[0].text)}))
+        # The same token, tried on the environment's own routes: refused.
+        root = config["url"].removesuffix("/mcp")
+        denied = [
+            (await http.post(root + "/reset", json={})).status_code,
+            (await http.post(root + "/step", json={"action": {"number": 1}})).status_code,
+            (await http.delete(root + "/sessions")).status_code,
+        ]
+    print(json.dumps({
+        "tools": tools, "result": json.loads(result.content[0].text), "denied": denied
+    }))
 
 asyncio.run(main())
 """
@@ -495,14 +504,16 @@ asyncio.run(main())
 async def test_mcp_speaking_agent_uses_the_live_environment(
     tmp_path: Path, endpoint: ModelEndpoint
 ) -> None:
-    """The harness gets the env's tools as an mcpServers file; they act on the live session."""
+    """The harness gets the env's tools as an mcpServers file; they act on the live session,
+    and the agent's token can do nothing else to it (no reset, step or close)."""
     from envport.client import EnvClient
     from tests.support.servers import run_env_server
 
     with run_env_server("guess-number-v1") as (url, _):
         async with EnvClient.connect(url) as env:
             await env.reset(seed=1, high=100, max_steps=10)
-            token = env.transport.token  # type: ignore[attr-defined]
+            token = env.tools_token
+            assert token is not None
             tools = ModelEndpoint(
                 endpoint.base_url,
                 endpoint.api_key,
@@ -519,6 +530,7 @@ async def test_mcp_speaking_agent_uses_the_live_environment(
             report = json.loads(result.stdout_tail)
             assert report["tools"] == ["guess"]
             assert report["result"]["last_guess"] == 50
+            assert report["denied"] == [403, 403, 403]
             # The agent's MCP call was a step of the trainer's own episode.
             state = await env.state()
             assert state["step_count"] == 1

@@ -21,6 +21,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 import envport
+from envport.errors import ForbiddenError
 from envport.mcp.jsonrpc import handle_jsonrpc
 from envport.mcp.server import MCPEndpoint
 from envport.server.sessions import ServerConfig, SessionManager
@@ -211,6 +212,26 @@ async def test_header_binds_an_existing_envport_session() -> None:
         await asyncio.sleep(0.05)
         assert not trainer.closed  # the endpoint never closes a shared session
         assert srv.manager.active == 1
+
+
+async def test_the_tools_only_token_calls_tools_on_the_session_and_nothing_else() -> None:
+    async with serve() as srv:
+        trainer = await srv.manager.create()
+        await trainer.reset()
+        headers = {"X-Envport-Session": trainer.tools_token}
+        async with mcp_session(srv.url, headers) as session:
+            listed = await session.list_tools()
+            assert {t.name for t in listed.tools} == {"echo", "reverse"}
+            await session.call_tool("echo", {"message": "x"})
+            assert trainer.env.step_count == 1
+            assert srv.manager.active == 1
+        with pytest.raises(ForbiddenError):  # what every control route looks tokens up by
+            srv.manager.by_token(trainer.tools_token)
+        await srv.manager.close(trainer)
+        async with mcp_session(srv.url, headers) as session:  # closed: the token is gone
+            with pytest.raises(MCPError) as info:
+                await session.call_tool("echo", {"message": "x"})
+            assert "No live session for that token" in info.value.message
 
 
 async def test_unknown_session_header_is_a_clear_error() -> None:

@@ -380,6 +380,56 @@ async def test_http_stateful_session(echo_url: str) -> None:
         assert gone.json()["error"]["code"] == "SESSION_NOT_FOUND"
 
 
+async def test_a_tools_only_token_cannot_control_its_session_over_http(echo_url: str) -> None:
+    """The token for an agent (``tools_token``) is refused by every control route with
+    403, and the session is untouched: the trainer's episode goes on."""
+    async with httpx.AsyncClient(base_url=echo_url) as http:
+        created = (await http.post("/sessions")).json()
+        control = {"X-Envport-Session": created["token"]}
+        agent = {"X-Envport-Session": created["tools_token"]}
+        assert created["tools_token"] != created["token"]
+        await http.post("/reset", json={"seed": 1}, headers=control)
+        await http.post("/step", json={"action": {"message": "a"}}, headers=control)
+        denied = [
+            await http.post("/reset", json={}, headers=agent),
+            await http.post("/step", json={"action": {"message": "x"}}, headers=agent),
+            await http.get("/state", headers=agent),
+            await http.delete("/sessions", headers=agent),
+        ]
+        for r in denied:
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["code"] == "FORBIDDEN"
+            assert "tools-only" in r.json()["error"]["message"]
+        state = (await http.get("/state", headers=control)).json()
+        assert state["step_count"] == 1  # no reset, no step, not closed
+        assert (await http.delete("/sessions", headers=control)).status_code == 204
+        gone = await http.get("/state", headers=agent)  # closed: its tools token too
+        assert gone.status_code == 404
+
+
+async def test_a_tools_only_token_cannot_resume_or_drive_a_session_over_websocket(
+    echo_url: str,
+) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        hello = await ask(ws, {"type": "hello"})
+        tools_token = hello["data"]["tools_token"]
+        await ask(ws, {"type": "reset"})
+        await ask(ws, {"type": "step", "data": {"message": "one"}})
+        async with connect(ws_url(echo_url)) as other:
+            err = await ask(other, {"type": "hello", "data": {"resume": tools_token}})
+            assert err["type"] == "error"
+            assert err["data"]["code"] == "FORBIDDEN"
+            await ask(other, {"type": "hello"})
+            items = [
+                {"token": tools_token, "type": kind, "data": data}
+                for kind, data in (("reset", {}), ("step", {"message": "x"}), ("state", None))
+            ]
+            replies = await ask(other, {"type": "batch", "data": items})
+            assert [r["data"]["code"] for r in replies["data"]] == ["FORBIDDEN"] * 3
+        state = await ask(ws, {"type": "state"})
+        assert state["data"]["step_count"] == 1
+
+
 async def test_http_bad_input(echo_url: str) -> None:
     async with httpx.AsyncClient(base_url=echo_url) as http:
         r = await http.post("/step", content=b"{nope", headers={"content-type": "application/json"})

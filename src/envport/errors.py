@@ -53,6 +53,7 @@ class ErrorCode(StrEnum):
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
     TOOL_ERROR = "TOOL_ERROR"
     UNAUTHORIZED = "UNAUTHORIZED"
+    FORBIDDEN = "FORBIDDEN"
 
 
 #: HTTP status for each wire code, used by the HTTP routes.
@@ -71,6 +72,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.TOOL_ERROR: 400,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
 }
 
 
@@ -202,6 +204,12 @@ class UnauthorizedError(EnvportError):
     code = ErrorCode.UNAUTHORIZED
 
 
+class ForbiddenError(EnvportError):
+    """A valid credential used for something outside its scope."""
+
+    code = ErrorCode.FORBIDDEN
+
+
 class RemoteError(EnvportError):
     """The other end reported an error frame; ``code`` is what it sent."""
 
@@ -229,6 +237,7 @@ _BY_CODE: dict[ErrorCode, type[EnvportError]] = {
     ErrorCode.INVALID_JSON: InvalidJSONError,
     ErrorCode.UNKNOWN_TYPE: ProtocolError,
     ErrorCode.UNAUTHORIZED: UnauthorizedError,
+    ErrorCode.FORBIDDEN: ForbiddenError,
 }
 
 

@@ -85,11 +85,16 @@ class SessionStatus(enum.Enum):
 
 
 class Session:
-    """A live environment with an id, a secret token, a lock and a deadline per call."""
+    """A live environment with an id, a secret token, a lock and a deadline per call.
+
+    ``token`` controls the session (reset, step, state, close, resume); ``tools_token``
+    only calls its tools over MCP: the one to hand an agent.
+    """
 
     def __init__(self, factory: EnvFactory, *, call_timeout_s: float | None = 30.0) -> None:
         self.id = uuid.uuid4().hex
         self.token = secrets.token_urlsafe(24)
+        self.tools_token = secrets.token_urlsafe(24)
         self.factory = factory
         self.env = factory()
         self.call_timeout_s = call_timeout_s

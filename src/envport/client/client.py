@@ -67,6 +67,15 @@ class EnvClient:
             return cls(WebSocketTransport(target, timeout_s=timeout_s))
         return cls(InProcessTransport(target, call_timeout_s=timeout_s))
 
+    @property
+    def tools_token(self) -> str | None:
+        """The session's tools-only token, for an agent's MCP client (header
+        ``X-Envport-Session``): it calls the environment's tools at the server's ``/mcp``
+        and cannot reset, step, read or close the session. None until the session is
+        open, and for transports without one (in-process, a plain OpenEnv server)."""
+        token = getattr(self.transport, "tools_token", None)
+        return token if isinstance(token, str) else None
+
     async def __aenter__(self) -> EnvClient:
         await self.transport.open()
         return self

@@ -92,6 +92,7 @@ class WebSocketTransport:
         self.extended = False
         self.session_id: str | None = None
         self.token: str | None = None
+        self.tools_token: str | None = None  # the session's tools only (MCP): for an agent
         self._ws: ClientConnection | None = None
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
@@ -116,6 +117,7 @@ class WebSocketTransport:
             self.extended = True
             self.session_id = reply["data"]["session_id"]
             self.token = reply["data"]["token"]
+            self.tools_token = reply["data"].get("tools_token")
         # An OpenEnv server answers UNKNOWN_TYPE and keeps the connection: plain mode.
 
     def _where(self) -> str:
@@ -290,12 +292,14 @@ class HTTPTransport:
         self._client = client or httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
         self._owns_client = client is None
         self.token: str | None = None
+        self.tools_token: str | None = None  # the session's tools only (MCP): for an agent
         self.session_id: str | None = None
 
     async def open(self) -> None:
         response = await self._client.post("/sessions")
         body = self._decode(response)
         self.token, self.session_id = body["token"], body["session_id"]
+        self.tools_token = body.get("tools_token")
 
     @staticmethod
     def _decode(response: httpx.Response) -> dict[str, Any]:

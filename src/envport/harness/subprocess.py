@@ -110,7 +110,8 @@ class ModelEndpoint:
     anthropic_api_key: str | None = None
     #: The environment's tools for harnesses that speak MCP: an envport server's ``/mcp``
     #: URL, and headers (``X-Envport-Session: TOKEN`` binds the tools to the rollout's
-    #: live environment session).
+    #: live environment session; give the session's tools-only token,
+    #: ``EnvClient.tools_token``, so the agent cannot reset, step or close it).
     mcp_url: str | None = None
     mcp_headers: tuple[tuple[str, str], ...] = ()
 

@@ -15,7 +15,9 @@ expiry). envport adds only the mapping from MCP sessions to envport sessions:
   the same code.
 * **Shared session.** A request with header ``X-Envport-Session: <token>`` acts on that
   existing envport session instead (an agent using MCP on the environment a trainer
-  drives over WebSocket). The endpoint never closes a shared session.
+  drives over WebSocket). The token to give an agent is the session's tools-only one
+  (``tools_token``): it calls tools here and nothing else; the control token the
+  trainer holds works here too. The endpoint never closes a shared session.
 
 Eras. ``ClientSession.initialize()`` (and ``Client(mode="legacy")``) speak the
 handshake protocol, where an MCP session spans many requests. The 2026-07-28 protocol
@@ -63,12 +65,19 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from envport import __version__
-from envport.errors import CapacityError, EnvportError, SessionNotFoundError, ToolError
+from envport.errors import (
+    CapacityError,
+    EnvportError,
+    ForbiddenError,
+    SessionNotFoundError,
+    ToolError,
+)
 from envport.mcp.results import ToolOutcome, call_tool
 from envport.server.sessions import SessionManager
 from envport.session import Session, SessionStatus
 
-#: Request header naming an existing envport session (by its resume token).
+#: Request header naming an existing envport session: its tools-only token (the one to
+#: give an agent) or its control token.
 SESSION_HEADER = "x-envport-session"
 
 _OWN = "envport.session"
@@ -161,8 +170,8 @@ class MCPEndpoint:
         token = _header(ctx, SESSION_HEADER)
         if token:
             try:
-                return self.manager.by_token(token)
-            except SessionNotFoundError as exc:
+                return self.manager.for_tools(token)
+            except (SessionNotFoundError, ForbiddenError) as exc:
                 raise MCPError(
                     types.INVALID_REQUEST, f"{SESSION_HEADER}: {exc.message}", exc.to_wire()
                 ) from exc

@@ -165,6 +165,7 @@ def _session_info(conn: Connection, session: Session, resumed: bool = False) -> 
         "protocol": PROTOCOL,
         "session_id": session.id,
         "token": session.token,
+        "tools_token": session.tools_token,
         "resumed": resumed,
         "resume_grace_s": conn.manager.config.resume_grace_s,
         "max_frame_bytes": conn.manager.config.max_frame_bytes,

@@ -147,6 +147,7 @@ async def create_session(request: Request) -> Response:
         {
             "session_id": session.id,
             "token": session.token,
+            "tools_token": session.tools_token,
             "header": "X-Envport-Session",
             "idle_timeout_s": manager.config.idle_timeout_s,
         },

@@ -20,7 +20,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from envport.errors import CapacityError, EnvFactoryError, EnvportError, SessionNotFoundError
+from envport.errors import (
+    CapacityError,
+    EnvFactoryError,
+    EnvportError,
+    ForbiddenError,
+    SessionNotFoundError,
+)
 from envport.session import EnvFactory, Session
 
 
@@ -46,6 +52,7 @@ class SessionManager:
         self.config = config
         self.sessions: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self._by_tools_token: dict[str, Session] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.reaped = 0
 
@@ -68,6 +75,7 @@ class SessionManager:
             ) from exc
         self.sessions[session.id] = session
         self._by_token[session.token] = session
+        self._by_tools_token[session.tools_token] = session
         return session
 
     async def _wait_for_slot(self) -> None:
@@ -108,18 +116,31 @@ class SessionManager:
         return session
 
     def by_token(self, token: str) -> Session:
+        """The session ``token`` controls; a tools-only token is refused (403)."""
         session = self._by_token.get(token)
         if session is None:
+            if token in self._by_tools_token:
+                raise ForbiddenError(
+                    "That is a tools-only session token: it calls the session's tools over "
+                    "MCP (/mcp) and cannot reset, step, read, resume or close the session."
+                )
             raise SessionNotFoundError(
                 "No live session for that token: it was closed, or its resume grace period "
                 f"({self.config.resume_grace_s:g} s) ran out."
             )
         return session
 
+    def for_tools(self, token: str) -> Session:
+        """The session whose tools ``token`` may call: its tools-only token or its
+        control token."""
+        session = self._by_tools_token.get(token)
+        return session if session is not None else self.by_token(token)
+
     async def close(self, session: Session) -> None:
         if self.sessions.pop(session.id, None) is None:
             return
         self._by_token.pop(session.token, None)
+        self._by_tools_token.pop(session.tools_token, None)
         self._release_slot()
         await session.close()
 
