@@ -638,6 +638,178 @@ async def test_a_stream_failing_midway_ends_with_an_error_event(
         assert call.response is not None
 
 
+_OK_CHAT = orjson.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+    }
+)
+_JSON = {"content-type": "application/json"}
+
+
+def _scripted_upstream(
+    answers: list[tuple[int, dict[str, str], bytes]], arrived: list[float]
+) -> Starlette:
+    """An upstream answering its n-th request with ``answers[n]`` (the last one from then
+    on), noting when each request arrived."""
+
+    async def chat(request: Request) -> Response:
+        arrived.append(time.monotonic())
+        status, headers, body = answers[min(len(arrived), len(answers)) - 1]
+        return Response(body, status, headers=headers)
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def test_a_429_is_retried_after_the_time_its_retry_after_asks(serve: Any) -> None:
+    limited = orjson.dumps({"error": {"message": "slow down", "type": "rate_limit_error"}})
+    arrived: list[float] = []
+    answers = [(429, {**_JSON, "retry-after": "1"}, limited), (200, _JSON, _OK_CHAT)]
+    with serve_in_thread(_scripted_upstream(answers, arrived)) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            resp = await client.chat.completions.create(model="m", messages=ASK)
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert resp.choices[0].message.content == "hi"
+    assert len(arrived) == 2
+    assert arrived[1] - arrived[0] >= 0.95  # upstream's Retry-After, not the 10 ms backoff
+    assert call.attempts == 2
+    assert [a["status"] for a in call.metadata["attempt_log"]] == [429, 200]
+    assert call.error is None
+
+
+async def test_a_429_asking_for_more_than_the_budget_is_answered_with_its_retry_after(
+    serve: Any,
+) -> None:
+    limited = orjson.dumps({"error": {"message": "slow down", "type": "rate_limit_error"}})
+    arrived: list[float] = []
+    answers = [(429, {**_JSON, "retry-after": "60"}, limited)]
+    with serve_in_thread(_scripted_upstream(answers, arrived)) as up:
+        served: Served = serve([f"{up}/v1"], retry=RetryPolicy(max_attempts=3, deadline_s=5))
+        ro = await served.rollout()
+        async with served.client(ro) as client:
+            with pytest.raises(openai.RateLimitError) as info:
+                await client.chat.completions.create(model="m", messages=ASK)
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert len(arrived) == 1  # no retry that could not finish within the budget
+    assert info.value.response.headers["retry-after"] == "60"
+    assert "slow down" in info.value.message
+    assert call.error is not None
+    assert call.error.retryable
+    assert "HTTP 429: slow down" in call.error.message
+
+
+_HTML_502 = (502, {"content-type": "text/html"}, b"<html><h1>502 Bad Gateway</h1></html>")
+_JSON_500 = (
+    500,
+    _JSON,
+    orjson.dumps({"error": {"message": "boom", "type": "server_error", "code": "engine_dead"}}),
+)
+_JSON_400 = (
+    400,
+    _JSON,
+    orjson.dumps(
+        {
+            "object": "error",  # vLLM's flat shape
+            "message": "temperature must be >= 0",
+            "type": "BadRequestError",
+            "param": "temperature",
+            "code": 400,
+        }
+    ),
+)
+_NOT_JSON_200 = (200, _JSON, b'{"id": "c1", "choices": [')
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize(
+    ("answer", "status", "says"),
+    [
+        (_HTML_502, 502, "502 Bad Gateway"),
+        (_JSON_500, 500, "boom"),
+        (_JSON_400, 400, "temperature must be >= 0"),
+        (_NOT_JSON_200, 502, "invalid JSON"),
+        (None, 502, "failed"),  # nothing listening
+        ("slow", 504, "timed out"),
+    ],
+    ids=["html-502", "json-500", "vllm-400", "invalid-json", "down", "slow"],
+)
+async def test_every_upstream_failure_gets_its_status_and_an_error_body_in_the_api_s_shape(
+    serve: Any, api: str, answer: Any, status: int, says: str
+) -> None:
+    """On every model API, non-streamed: the agent gets the right status and an error body
+    its SDK reads (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", ...}``),
+    and the call is recorded as failed by the model provider."""
+    arrived: list[float] = []
+    timeout = None
+    with contextlib.ExitStack() as stack:
+        if answer is None:
+            url = f"http://127.0.0.1:{free_port()}/v1"
+        elif answer == "slow":
+            url = stack.enter_context(serve_in_thread(_slow_upstream())) + "/v1"
+            timeout = httpx.Timeout(0.3, connect=2.0)
+        else:
+            url = stack.enter_context(serve_in_thread(_scripted_upstream([answer], arrived)))
+            url += "/v1"
+        served: Served = serve([url], timeout=timeout) if timeout else serve([url])
+        ro = await served.rollout()
+        headers = {"authorization": f"Bearer {ro['token']}"}
+        if api == "chat":
+            r = await served.admin.post(
+                f"{ro['base_url']}/chat/completions",
+                json={"model": "m", "messages": ASK},
+                headers=headers,
+            )
+        elif api == "responses":
+            r = await served.admin.post(
+                f"{ro['base_url']}/responses", json={"model": "m", "input": "hi"}, headers=headers
+            )
+        else:
+            r = await served.admin.post(
+                f"{ro['anthropic_base_url']}/v1/messages",
+                json={"model": "m", "max_tokens": 16, "messages": ASK},
+                headers={"x-api-key": ro["token"], "anthropic-version": "2023-06-01"},
+            )
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    if api == "messages":
+        assert body["type"] == "error"
+        assert set(body["error"]) == {"type", "message"}
+        assert body["error"]["type"] == {400: "invalid_request_error"}.get(status, "api_error")
+        assert says in body["error"]["message"]
+    elif api == "chat" and answer in (_JSON_500, _JSON_400):
+        assert r.content == answer[2]  # upstream's own JSON error body, as it was
+    else:
+        error = body["error"]
+        assert {"message", "type", "param", "code"} <= set(error)
+        assert says in error["message"]
+        if answer is _JSON_400 and api == "responses":  # upstream's details kept
+            assert (error["param"], error["code"]) == ("temperature", "400")
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert says in call.error.message
+
+
+def _slow_upstream() -> Starlette:
+    async def chat(request: Request) -> Response:
+        await asyncio.sleep(5)
+        return Response(_OK_CHAT, media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
 async def test_upstream_4xx_passes_through_unretried(gw: Served, upstream: tuple[str, Any]) -> None:
     ro = await gw.rollout()
     async with gw.client(ro) as client:

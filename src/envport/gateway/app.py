@@ -99,6 +99,7 @@ from envport.gateway.errors import (
     RolloutNotFoundError,
     UpstreamError,
     UpstreamTimeoutError,
+    openai_type,
 )
 from envport.gateway.front import SEND_NOWAIT
 from envport.gateway.http1 import Http1Pool, HTTPError
@@ -699,15 +700,30 @@ def _harness_error(exc: GatewayError) -> TraceError:
     )
 
 
-def _upstream_message(content: bytes) -> str:
+def _upstream_status_error(status: int, content: bytes) -> tuple[GatewayError, bool]:
+    """Upstream's error answer as the agent's error (its status, and the message, type,
+    param and code it gave, in OpenAI's ``{"error": {...}}`` or vLLM's flat shape), and
+    whether its body is a JSON object (an OpenAI-style client reads it as it is)."""
     try:
         body = orjson.loads(content)
-        message = body["error"]["message"]
-        if isinstance(message, str):
-            return message
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        pass
-    return content[:300].decode("utf-8", "replace")
+    except orjson.JSONDecodeError:
+        body = None
+    fields: dict[str, Any] = {}
+    if isinstance(body, dict):
+        inner = body.get("error")
+        fields = inner if isinstance(inner, dict) else body
+    message = fields.get("message")
+    if not isinstance(message, str) or not message:
+        message = content[:300].decode("utf-8", "replace").strip() or "(no body)"
+    error = GatewayError(
+        f"Upstream answered HTTP {status}: {message}",
+        param=fields.get("param") if isinstance(fields.get("param"), str) else None,
+        error_code=str(fields["code"]) if fields.get("code") is not None else None,
+    )
+    error.status = status
+    kind = fields.get("type")
+    error.type = kind if isinstance(kind, str) and kind else openai_type(status)
+    return error, isinstance(body, dict)
 
 
 class _Answer:
@@ -775,19 +791,18 @@ class _Call:
         """The agent's answer to a non-streamed call; notes the outcome on the record."""
         status, content = opened.status, opened.body
         if status >= 400:
-            message = f"Upstream answered HTTP {status}: {_upstream_message(content)}"
+            error, is_object = _upstream_status_error(status, content)
             self.record.error = model_provider_error(
-                message, type="UpstreamStatusError", retryable=status in RETRY_STATUSES
+                error.message, type="UpstreamStatusError", retryable=status in RETRY_STATUSES
             )
-            if self.api.dialect == "openai" and not self.api.translated:
-                headers = {CALL_ID_HEADER: self.record.call_id}
-                if "retry-after" in opened.headers:
-                    headers["retry-after"] = opened.headers["retry-after"]
-                media = opened.headers.get("content-type", "application/json")
-                return Response(content, status, headers=headers, media_type=media)
-            error = GatewayError(message)
-            error.status = status
-            return error.response(self.api.dialect)
+            headers = {CALL_ID_HEADER: self.record.call_id}
+            if "retry-after" in opened.headers:
+                headers["retry-after"] = opened.headers["retry-after"]
+            if is_object and self.api.dialect == "openai" and not self.api.translated:
+                return Response(content, status, headers=headers, media_type="application/json")
+            # Not JSON (a proxy's HTML page), or another API's shape: the API's own.
+            body = orjson.dumps(error.body(self.api.dialect))
+            return Response(body, status, headers=headers, media_type="application/json")
         try:
             parsed = orjson.loads(content)
         except orjson.JSONDecodeError:

@@ -46,6 +46,24 @@ _ANTHROPIC_TYPES = {
 }
 
 
+#: OpenAI's error ``type`` for an HTTP status (the rest are ``server_error``).
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_type(status: int) -> str:
+    """The OpenAI error ``type`` an answer with this HTTP status carries."""
+    return _OPENAI_TYPES.get(status, "server_error")
+
+
 class GatewayError(EnvportError):
     """A request the gateway refuses or cannot serve; ``status`` is its HTTP status."""
 
