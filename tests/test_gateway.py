@@ -1097,6 +1097,39 @@ async def test_responses_api_through_the_gateway(gw: Served) -> None:
     assert call.choices[0].completion_token_ids
 
 
+async def test_responses_api_streaming_with_tools_through_the_gateway(gw: Served) -> None:
+    """The openai SDK's Responses stream, with a function tool, through the real gateway
+    (translated from upstream's chat stream by the relay): the SDK's own event parser
+    reads every event, and the call is recorded with its token ids."""
+    ro = await gw.rollout()
+    tool = {"type": "function", **GUESS_TOOL["function"]}
+    async with gw.client(ro) as client:
+        plain = await client.responses.create(model="m", input=GUESS[0]["content"], tools=[tool])
+        stream = await client.responses.create(
+            model="m", input=GUESS[0]["content"], tools=[tool], stream=True
+        )
+        events = [event async for event in stream]
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds
+    final = events[-1].response
+    [streamed_call] = [o for o in final.output if o.type == "function_call"]
+    [plain_call] = [o for o in plain.output if o.type == "function_call"]
+    assert streamed_call.name == plain_call.name == "guess"
+    assert orjson.loads(streamed_call.arguments) == orjson.loads(plain_call.arguments)
+    first, second = await gw.calls(ro["rollout_id"])
+    assert (first.api, second.api) == ("responses", "responses")
+    assert second.streamed
+    assert second.error is None
+    assert second.ttft_s is not None
+    assert second.request is not None
+    assert second.request["stream"] is True
+    assert second.request["tools"][0]["function"]["name"] == "guess"
+    assert second.choices[0].completion_token_ids == first.choices[0].completion_token_ids
+    assert second.metadata["token_ids"] == "present"
+
+
 async def test_messages_api_through_the_gateway(gw: Served) -> None:
     ro = await gw.rollout()
     body = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi there"}]}
