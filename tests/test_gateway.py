@@ -787,7 +787,8 @@ async def test_every_upstream_failure_gets_its_status_and_an_error_body_in_the_a
     if api == "messages":
         assert body["type"] == "error"
         assert set(body["error"]) == {"type", "message"}
-        assert body["error"]["type"] == {400: "invalid_request_error"}.get(status, "api_error")
+        kinds = {400: "invalid_request_error", 504: "timeout_error"}
+        assert body["error"]["type"] == kinds.get(status, "api_error")
         assert says in body["error"]["message"]
     elif api == "chat" and answer in (_JSON_500, _JSON_400):
         assert r.content == answer[2]  # upstream's own JSON error body, as it was
@@ -802,9 +803,93 @@ async def test_every_upstream_failure_gets_its_status_and_an_error_body_in_the_a
     assert says in call.error.message
 
 
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_a_streamed_call_refused_by_upstream_gets_the_status_retry_after_and_shape(
+    serve: Any, api: str
+) -> None:
+    """``stream: true`` and upstream answers 429 with a JSON error (no stream): the agent
+    gets the 429, upstream's Retry-After, and an error body in its API's shape (upstream's
+    own on chat; its message and type kept on the Responses API)."""
+    refusal = {"message": "too many tokens", "type": "tokens", "code": "rate_limit_exceeded"}
+    answer = (429, {**_JSON, "retry-after": "60"}, orjson.dumps({"error": refusal}))
+    arrived: list[float] = []
+    with serve_in_thread(_scripted_upstream([answer], arrived)) as up:
+        served: Served = serve([f"{up}/v1"], retry=RetryPolicy(max_attempts=3, deadline_s=5))
+        ro = await served.rollout()
+        auth = {"authorization": f"Bearer {ro['token']}"}
+        if api == "chat":
+            url, body = f"{ro['base_url']}/chat/completions", {"model": "m", "messages": ASK}
+        elif api == "responses":
+            url, body = f"{ro['base_url']}/responses", {"model": "m", "input": "hi"}
+        else:
+            url = f"{ro['anthropic_base_url']}/v1/messages"
+            body = {"model": "m", "max_tokens": 16, "messages": ASK}
+            auth = {"x-api-key": ro["token"], "anthropic-version": "2023-06-01"}
+        r = await served.admin.post(url, json={**body, "stream": True}, headers=auth)
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "60"
+    assert r.headers["content-type"].startswith("application/json")
+    if api == "chat":
+        assert r.json() == {"error": refusal}
+    elif api == "responses":
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+        assert "too many tokens" in error["message"]
+    else:
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert "too many tokens" in r.json()["error"]["message"]
+    assert len(arrived) == 1
+    assert call.streamed
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert "too many tokens" in call.error.message
+
+
+@pytest.mark.parametrize(
+    ("status", "content", "message", "kind", "code", "is_object"),
+    [
+        (503, b'{"error": "overloaded"}', "overloaded", "server_error", None, True),
+        (422, b'{"error": {"message": "m", "code": true}}', "m", "invalid_request_error", None, 1),
+        (
+            422,
+            b'{"error": {"message": "m", "code": {"a": 1}}}',
+            "m",
+            "invalid_request_error",
+            None,
+            1,
+        ),
+        (429, b'{"message": "m", "code": 7, "type": "tokens"}', "m", "tokens", "7", True),
+        (500, b"[1, 2]", "[1, 2]", "server_error", None, False),
+        (502, b"\xff\xfe not utf-8", "\ufffd\ufffd not utf-8", "server_error", None, False),
+        (500, b"", "(no body)", "server_error", None, False),
+    ],
+    ids=["string-error", "bool-code", "dict-code", "flat-int-code", "array", "not-utf8", "empty"],
+)
+def test_upstream_error_bodies_of_every_shape_are_read_safely(
+    status: int, content: bytes, message: str, kind: str, code: str | None, is_object: bool
+) -> None:
+    from envport.gateway.app import _upstream_status_error
+
+    error, obj = _upstream_status_error(status, content)
+    assert error.status == status
+    assert error.message == f"Upstream answered HTTP {status}: {message}"
+    assert (error.type, error.error_code, obj) == (kind, code, bool(is_object))
+
+
+def test_a_huge_upstream_error_message_is_cut() -> None:
+    from envport.gateway.app import _upstream_status_error
+
+    error, _ = _upstream_status_error(500, orjson.dumps({"error": {"message": "x" * 100_000}}))
+    assert len(error.message) < 2100
+    assert error.message.endswith("x...")
+
+
 def _slow_upstream() -> Starlette:
     async def chat(request: Request) -> Response:
-        await asyncio.sleep(5)
+        await asyncio.sleep(1)  # past the gateway's 0.3 s timeout
         return Response(_OK_CHAT, media_type="application/json")
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])

@@ -276,6 +276,7 @@ class WebSocketTransport:
         finally:
             await self._ws.close()
             self._ws = None
+            self.tools_token = None
 
 
 class HTTPTransport:
@@ -344,7 +345,7 @@ class HTTPTransport:
         except httpx.HTTPError:
             pass
         finally:
-            self.token = None
+            self.token = self.tools_token = None
             if self._owns_client:
                 await self._client.aclose()
 

@@ -700,6 +700,9 @@ def _harness_error(exc: GatewayError) -> TraceError:
     )
 
 
+_MAX_UPSTREAM_MESSAGE = 2000  # characters of upstream's error message kept
+
+
 def _upstream_status_error(status: int, content: bytes) -> tuple[GatewayError, bool]:
     """Upstream's error answer as the agent's error (its status, and the message, type,
     param and code it gave, in OpenAI's ``{"error": {...}}`` or vLLM's flat shape), and
@@ -709,16 +712,20 @@ def _upstream_status_error(status: int, content: bytes) -> tuple[GatewayError, b
     except orjson.JSONDecodeError:
         body = None
     fields: dict[str, Any] = {}
+    message: Any = None
     if isinstance(body, dict):
         inner = body.get("error")
         fields = inner if isinstance(inner, dict) else body
-    message = fields.get("message")
+        message = inner if isinstance(inner, str) else fields.get("message")
     if not isinstance(message, str) or not message:
         message = content[:300].decode("utf-8", "replace").strip() or "(no body)"
+    elif len(message) > _MAX_UPSTREAM_MESSAGE:
+        message = message[:_MAX_UPSTREAM_MESSAGE] + "..."
+    param, code = fields.get("param"), fields.get("code")
     error = GatewayError(
         f"Upstream answered HTTP {status}: {message}",
-        param=fields.get("param") if isinstance(fields.get("param"), str) else None,
-        error_code=str(fields["code"]) if fields.get("code") is not None else None,
+        param=param if isinstance(param, str) else None,
+        error_code=str(code) if type(code) in (str, int) else None,  # not a bool, a dict
     )
     error.status = status
     kind = fields.get("type")
