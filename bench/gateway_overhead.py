@@ -35,7 +35,8 @@ One invocation starts, each in its own process, bound to 127.0.0.1 on free ports
   worker per round (finished, and so stored, between rounds, outside the timing).
 * ``envport-base``: the same, with another copy of the ``envport`` package first on
   ``PYTHONPATH`` (``--base-src DIR``, DIR holding ``envport/``): the code before a change,
-  measured interleaved with the code after it in one run.
+  measured interleaved with the code after it in one run; or run by another Python
+  (``--base-python PATH``, with envport's dependencies installed there).
 * ``agl``: agent-lightning's ``LLMProxy`` (LiteLLM's proxy underneath), from PyPI
   ``agentlightning`` installed on first use into ``bench/.venvs/agl`` (see
   ``--agl-python``). Started by ``_agl`` mode of this file run with that venv's Python;
@@ -1114,13 +1115,19 @@ def main() -> None:
         "--targets",
         default="direct,floor-raw,floor,envport,agl",
         help="comma-separated, from: direct, floor-raw, floor, floor-nginx (needs nginx), "
-        "envport, envport-base (needs --base-src), agl",
+        "envport, envport-base (needs --base-src or --base-python), agl",
     )
     p.add_argument(
         "--base-src",
         default=None,
         help="for target envport-base: a folder holding another copy of the envport "
         "package (e.g. the code before a change), run as a second gateway",
+    )
+    p.add_argument(
+        "--base-python",
+        default=None,
+        help="for target envport-base: the Python that runs it (another version, with "
+        "envport's dependencies installed; default: this one)",
     )
     p.add_argument(
         "--modes", default="json,stream", help="which calls to measure: json, stream or both"
@@ -1289,14 +1296,15 @@ def run_once(
                 targets.append(Target("direct", ports["upstream"], None))
             elif name in ("envport", "envport-base"):
                 env = {**os.environ, "ENVPORT_GATEWAY_TOKEN": orch}
-                if name == "envport-base":  # another copy of the package, to compare with
-                    if not args.base_src:
-                        raise SystemExit("target envport-base needs --base-src DIR")
-                    env["PYTHONPATH"] = str(Path(args.base_src).resolve())
+                if name == "envport-base":  # another copy, or another Python, to compare with
+                    if not (args.base_src or args.base_python):
+                        raise SystemExit("target envport-base needs --base-src or --base-python")
+                    if args.base_src:
+                        env["PYTHONPATH"] = str(Path(args.base_src).resolve())
                 proc = stack.enter_context(
                     started(
                         [
-                            py,
+                            args.base_python or py if name == "envport-base" else py,
                             "-m",
                             "envport.gateway",
                             "--upstream",
