@@ -305,6 +305,88 @@ def test_classify_tells_sandbox_failures_from_bad_requests() -> None:
     assert ErrorKind.SANDBOX in ControllerConfig().retry_on
 
 
+def test_a_dead_environment_while_scoring_is_infrastructure_and_retried() -> None:
+    from envport.errors import ConnectionLostError, EnvExecutionError
+    from envport.rollout.backends import BackendError
+    from envport.rollout.controller import classify
+    from envport.trace import ErrorKind
+
+    lost = ConnectionLostError("the environment's connection dropped")
+    assert classify(lost, "scoring") is ErrorKind.INFRASTRUCTURE
+    assert classify(BackendError("instance gone"), "scoring") is ErrorKind.INFRASTRUCTURE
+    assert ErrorKind.INFRASTRUCTURE in ControllerConfig().retry_on
+    # what the rubric itself raises stays the rubric's
+    assert classify(EnvExecutionError("test command failed"), "scoring") is ErrorKind.RUBRIC
+    assert classify(ValueError("bad rubric"), "scoring") is ErrorKind.RUBRIC
+
+
+class GatedHarness(ScriptHarness):
+    """Rollouts of ``FAULTY`` wait until a rollout of another type has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other_started = asyncio.Event()
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        if task.env_id != FAULTY:
+            self.other_started.set()
+            await env.reset()
+            return
+        await asyncio.wait_for(self.other_started.wait(), 10)
+        await super().run(task, env, trace)
+
+
+async def test_rollouts_waiting_for_a_busy_type_hold_no_global_slot(
+    store: AsyncTraceStore,
+) -> None:
+    """Global concurrency 3, one FAULTY at a time: the two FAULTY rollouts waiting for
+    their type leave the other global slots to the echo rollout queued behind them (held
+    by them, the first FAULTY rollout would wait for the echo one forever)."""
+    config = ControllerConfig(concurrency=3, env_concurrency={FAULTY: 1}, **FAST)
+    specs = [RolloutSpec(task(f"f{i}", ["hi"])) for i in range(3)]
+    specs.append(RolloutSpec(Task(id="echo", prompt="go", env_id="echo-v1")))
+    harness = GatedHarness()
+    ctl = Controller(store, InProcessBackend(), harness, config, run_id="r")
+    summary = await asyncio.wait_for(ctl.run(specs), 60)
+    assert summary.succeeded == 4
+    assert harness.peak == 1  # FAULTY's own limit still holds
+
+
+class UnstoppableBackend(InProcessBackend):
+    """Instances whose stop always fails, and whose health check raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_calls = 0
+
+    async def stop(self, instance: EnvInstance) -> None:
+        self.stop_calls += 1
+        await super().stop(instance)
+        raise RuntimeError("the backend's API is down")
+
+    async def healthy(self, instance: EnvInstance) -> bool:
+        raise RuntimeError("the backend's API is down")
+
+
+async def test_a_backend_failing_to_stop_or_check_instances_fails_no_rollout(
+    store: AsyncTraceStore,
+) -> None:
+    """Retired instances that cannot be stopped, and health checks that raise, are
+    logged and counted: they run in the pool's maintainer, inside the controller's task
+    group, and must not cancel the rollouts beside them."""
+    backend = UnstoppableBackend()
+    config = ControllerConfig(concurrency=2, max_episodes=1, **FAST)
+    ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
+    async with ctl:
+        summary = await asyncio.wait_for(
+            ctl.run([RolloutSpec(task(f"t{i}", ["a", "b"])) for i in range(6)]), 60
+        )
+        stats = ctl.pools()[FAULTY].stats()
+    assert summary.succeeded == 6
+    assert backend.stop_calls >= 1
+    assert stats.stop_failures >= 1
+
+
 @pytest.mark.timeout(150)
 async def test_cancellation_leaves_no_process_and_resume_finishes(
     store: AsyncTraceStore, tmp_path: Path

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import math
 import os
 import socket
@@ -68,6 +69,8 @@ from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutS
 from envport.tasks import Task
 from envport.trace import AsyncTraceStore, ErrorKind, Run, Trace, TraceError, TraceStatus
 from envport.trace.store import AttemptRecord, RolloutRecord, SQLiteTraceStore
+
+_log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -108,10 +111,10 @@ def classify(exc: BaseException, stage: str) -> ErrorKind:
     """Where a failure belongs, from what was raised and the stage it was raised in."""
     if isinstance(exc, ModelProviderError):
         return ErrorKind.MODEL_PROVIDER
+    if isinstance(exc, ConnectionLostError | BackendError | PoolClosedError):
+        return ErrorKind.INFRASTRUCTURE  # in any stage: scoring on a dead env is retried
     if stage == "scoring":
         return ErrorKind.RUBRIC
-    if isinstance(exc, ConnectionLostError | BackendError | PoolClosedError):
-        return ErrorKind.INFRASTRUCTURE
     if stage == "env_start" and isinstance(exc, TimeoutError):
         return ErrorKind.INFRASTRUCTURE
     if isinstance(exc, EnvportError) and exc.details.get("failure") == "sandbox":
@@ -484,10 +487,16 @@ class Controller:
         return any(r.run_id == self.run_id for r in self._db.list_runs())
 
     async def _persist_heartbeats(self) -> None:
+        """Store the live attempts' heartbeats now and then. A failed write (the store
+        busy or full) is logged and tried again next time: never raised into the task
+        group it runs in, where it would cancel every rollout."""
         while True:
             await asyncio.sleep(self.config.heartbeat_persist_s)
             keys = [(f.rollout_id, f.attempt.attempt) for f in self._flights.values()]
-            await self._call(self._db.heartbeat_attempts, keys)
+            try:
+                await self._call(self._db.heartbeat_attempts, keys)
+            except Exception:
+                _log.warning("could not store heartbeats; trying again", exc_info=True)
 
     def _limits(self, env_id: str, task: Task | None) -> Limits:
         """The env type's limits, with the task's declared resources on top."""
@@ -643,11 +652,13 @@ class Controller:
             )
         self._emit(RolloutEvent(rollout_id=rid, state=RolloutState.PENDING))
         env_gate = self._env_gate(task.env_id)
-        async with self._gate:
-            if env_gate is None:
+        if env_gate is None:
+            async with self._gate:
                 return await self._attempts(spec, rid, rec, max_attempts)
-            async with env_gate:
-                return await self._attempts(spec, rid, rec, max_attempts)
+        # Its type's slot first: rollouts waiting for a busy type hold no global slot,
+        # so other types still run.
+        async with env_gate, self._gate:
+            return await self._attempts(spec, rid, rec, max_attempts)
 
     def _new_trace(self, spec: RolloutSpec, rid: str, attempt: int) -> Trace:
         task = spec.task

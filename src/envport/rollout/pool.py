@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from envport.errors import EnvportError
 from envport.rollout.backends.base import Backend, EnvInstance, EnvLaunch
+
+_log = logging.getLogger(__name__)
 
 
 class PoolClosedError(EnvportError):
@@ -76,6 +79,7 @@ class PoolStats:
     waiting: int
     started: int
     retired: int
+    stop_failures: int = 0  # retired instances the backend failed to stop (logged)
 
 
 class EnvPool:
@@ -110,6 +114,7 @@ class EnvPool:
         self._waiting = 0
         self._started = 0
         self._retired = 0
+        self._stop_failures = 0
         self._closed = False
         self._changed = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -150,6 +155,7 @@ class EnvPool:
             waiting=self._waiting,
             started=self._started,
             retired=self._retired,
+            stop_failures=self._stop_failures,
         )
 
     def adopt(self, instances: Iterable[EnvInstance]) -> int:
@@ -236,14 +242,28 @@ class EnvPool:
         self._notify()
 
     async def _stop(self, instance: EnvInstance) -> None:
+        """Stop a retired instance. A failure is logged and counted, never raised: it runs
+        in the maintainer's task group, where it would cancel every rollout."""
         self._stopping[instance.instance_id] = instance
         try:
             await self.backend.stop(instance)
+        except Exception:
+            self._stop_failures += 1
+            _log.warning(
+                "could not stop retired instance %s (%s); it may need cleaning up by hand",
+                instance.instance_id,
+                instance.env_id,
+                exc_info=True,
+            )
         finally:
             self._stopping.pop(instance.instance_id, None)
 
     async def _check(self, slot: _Slot) -> None:
-        ok = await self.backend.healthy(slot.instance)
+        try:
+            ok = await self.backend.healthy(slot.instance)
+        except Exception:  # a check that cannot be made: not healthy (never raised)
+            _log.warning("health check of %s failed", slot.instance.instance_id, exc_info=True)
+            ok = False
         slot.checked_at = time.monotonic()
         if not ok and slot.instance.instance_id in self._slots:
             self._retire_slot(slot, "failed its health check")
