@@ -213,6 +213,69 @@ def test_cli_eval_and_traces(tmp_path: Path) -> None:
     assert "missing.jsonl" in bad.stderr
 
 
+def test_cli_eval_records_malformed_task_lines_and_unservable_envs_as_failed_runs(
+    tmp_path: Path,
+) -> None:
+    """A JSONL file with bad lines, and a task naming an unknown environment, under
+    --serve-envs: each bad line becomes a failed trace of kind 'task' naming its line,
+    the unknown environment fails its own task, and the good tasks run."""
+    good = [
+        t.model_dump(mode="json", exclude_none=True, exclude={"source", "root"})
+        for t in load("builtin:arithmetic").head(2)
+    ]
+    lines = [
+        json.dumps(good[0]),
+        "{not json",
+        json.dumps({"id": "extra", "prompt": "hi", "colour": "red"}),
+        json.dumps(good[0]),  # the same id again
+        json.dumps({"id": "nowhere", "prompt": "hi", "env_id": "no-such-env-v1"}),
+        json.dumps(good[1]),
+    ]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(lines) + "\n")
+    db = tmp_path / "runs.db"
+    done = envport_cli(
+        "eval",
+        str(tasks),
+        "--serve-envs",
+        "--store",
+        str(db),
+        "--run-id",
+        "m",
+        "--json",
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["tasks"] == 6
+    assert summary["rollouts"] == 6
+    assert summary["completed"] == 2
+    assert summary["failed"] == 4
+    assert summary["errors_by_kind"] == {"task": 3, "environment": 1}
+    by_task = {t.task_id: t for t in SQLiteTraceStore(db).query(run_id="m", limit=None)}
+    assert by_task["tasks.jsonl:2"].errors[0].kind.value == "task"
+    assert "tasks.jsonl:2: invalid JSON" in by_task["tasks.jsonl:2"].errors[0].message
+    assert "colour" in by_task["tasks.jsonl:3"].errors[0].message
+    assert "duplicate id" in by_task["tasks.jsonl:4"].errors[0].message
+    assert by_task["tasks.jsonl:4"].metadata["field"] == "id"
+    assert by_task["nowhere"].errors[0].kind.value == "environment"
+    assert by_task[good[1]["id"]].status is TraceStatus.COMPLETED
+    # Resumed, nothing is recorded twice.
+    again = envport_cli(
+        "eval",
+        str(tasks),
+        "--store",
+        str(db),
+        "--run-id",
+        "m",
+        "--resume",
+        "--json",
+        timeout=120,
+    )
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["rollouts"] == 6
+
+
 def test_cli_eval_harbor_task_dir(tmp_path: Path) -> None:
     """A Harbor task directory runs through `envport eval`, scored by its tests/test.sh."""
     task = tmp_path / "make-hello"

@@ -45,20 +45,30 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def load_tasks(
-    taskset: str, limit: int | None, *, resume: bool, run_id: str | None, store: Path
+    taskset: str,
+    limit: int | None,
+    *,
+    resume: bool,
+    run_id: str | None,
+    store: Path,
+    invalid: list[Any] | None = None,
 ) -> list[Any]:
-    """The tasks a run command works on; exits with a clear error on a bad taskset."""
+    """The tasks a run command works on; exits with a clear error on a bad taskset.
+
+    With ``invalid`` (a list), a JSONL file's malformed lines go there (as
+    ``TaskFileError``) instead of stopping the command: each becomes a failed trace."""
     from envport.tasks import TasksetError, load
 
     if resume and not run_id:
         _fail("--resume needs --run-id (see `envport traces runs`).")
+    lenient = invalid is not None and Path(taskset).suffix == ".jsonl"
     try:
-        tasks = load(taskset)
+        tasks = load(taskset, invalid=invalid) if lenient else load(taskset)
         task_list = list(tasks.head(limit) if limit else tasks)
     except (TasksetError, EnvportError, OSError, ValueError) as exc:
         _fail(str(exc))
         raise  # unreachable: _fail exits
-    if not task_list:
+    if not task_list and not invalid:
         _fail(f"{taskset} has no tasks.")
     store.parent.mkdir(parents=True, exist_ok=True)
     return task_list
@@ -84,9 +94,12 @@ def env_servers(env_ids: set[str]) -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
         for env_id in sorted(env_ids):
             config = ServerConfig()
-            urls[env_id] = stack.enter_context(
-                serve_in_thread(create_app(env_id, config), config=config)
-            )
+            try:
+                app = create_app(env_id, config)
+            except EnvportError as exc:  # its tasks fail, in-process, as environment errors
+                err.print(f"[yellow]note:[/] not serving {env_id!r}: {exc}", soft_wrap=True)
+                continue
+            urls[env_id] = stack.enter_context(serve_in_thread(app, config=config))
         yield urls
 
 
@@ -126,7 +139,16 @@ def eval_command(
     from envport.harness import AgentConfig
     from envport.report import summary_table
 
-    task_list = load_tasks(taskset, limit, resume=resume, run_id=run_id, store=store)
+    invalid: list[Any] = []
+    task_list = load_tasks(
+        taskset, limit, resume=resume, run_id=run_id, store=store, invalid=invalid
+    )
+    if invalid and not as_json:
+        err.print(
+            f"[yellow]note:[/] {len(invalid)} malformed task(s) in {taskset}, each recorded "
+            f"as a failed trace (kind 'task'); first: {invalid[0]}",
+            soft_wrap=True,
+        )
     with ExitStack() as stack:
         if model is None:
             model = stack.enter_context(local_scripted_model())
@@ -157,6 +179,7 @@ def eval_command(
                 run_id,
                 resume,
                 quiet=as_json,
+                invalid=invalid,
             )
         )
     if as_json:
@@ -181,6 +204,7 @@ async def _run(
     resume: bool,
     *,
     quiet: bool,
+    invalid: list[Any] | None = None,
 ) -> Any:
     from envport.evaluate import Evaluator
     from envport.harness import ChatModel
@@ -222,7 +246,12 @@ async def _run(
             async with AsyncTraceStore(SQLiteTraceStore(store_path)) as store:
                 evaluator = Evaluator(model, store, config, taskset_name=taskset)
                 return await evaluator.run(
-                    tasks, run_id=run_id, resume=resume, on_done=done, on_start=started
+                    tasks,
+                    run_id=run_id,
+                    resume=resume,
+                    on_done=done,
+                    on_start=started,
+                    invalid=invalid or (),
                 )
     finally:
         await model.aclose()

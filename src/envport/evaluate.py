@@ -16,7 +16,9 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
 
 from pydantic import BaseModel, Field
 
@@ -34,8 +36,8 @@ from envport.rollout.controller import (
     percentiles,
     rollout_id,
 )
-from envport.tasks import Task
-from envport.trace import AsyncTraceStore, Trace, TraceStatus
+from envport.tasks import Task, TaskFileError
+from envport.trace import AsyncTraceStore, ErrorKind, Trace, TraceError, TraceStatus
 
 __all__ = [
     "EvalConfig",
@@ -142,7 +144,11 @@ class Evaluator:
         on_done: Callable[[Trace], None] | None = None,
         on_start: Callable[[int], None] | None = None,
         on_event: Callable[[RolloutEvent], None] | None = None,
+        invalid: Sequence[TaskFileError] = (),
     ) -> EvalSummary:
+        """Run every task ``rollouts`` times. ``invalid``: the task file's bad entries
+        (see :func:`~envport.tasks.load_jsonl`), each recorded as a failed trace of kind
+        ``task`` (never run), counted in the summary."""
         started = time.perf_counter()
         run_id = run_id or uuid.uuid4().hex[:12]
         task_list = list(tasks)
@@ -153,6 +159,16 @@ class Evaluator:
                 f"run {run_id!r} already has {len(stored)} traces in the store; "
                 "resume it (--resume) or choose another run id"
             )
+        bad = [
+            t
+            for t in _invalid_traces(invalid, run_id, self.taskset_name)
+            if t.rollout_id not in done_ids
+        ]
+        if bad:
+            await self.store.put_many(bad)
+            if on_done is not None:
+                for trace in bad:
+                    on_done(trace)
         specs = [RolloutSpec(task, k) for task in task_list for k in range(self.config.rollouts)]
         wanted = {rollout_id(run_id, s.task, s.index) for s in specs}
         skipped = len(done_ids & wanted)
@@ -171,11 +187,43 @@ class Evaluator:
         return summarise(
             run_id,
             traces,
-            tasks=len(task_list),
+            tasks=len(task_list) + len(invalid),
             skipped=skipped,
             wall_s=time.perf_counter() - started,
             threshold=self.config.success_threshold,
         )
+
+
+def _invalid_traces(
+    invalid: Sequence[TaskFileError], run_id: str, taskset: str | None
+) -> list[Trace]:
+    """A failed trace per malformed task entry: its file, line and field in the error."""
+    now = datetime.now(UTC)
+    traces = []
+    for error in invalid:
+        task_id = f"{Path(error.path).name}:{error.line if error.line is not None else '?'}"
+        traces.append(
+            Trace(
+                run_id=run_id,
+                task_id=task_id,
+                taskset=taskset,
+                rollout_id=f"{run_id}/{task_id}/0",
+                group_id=f"{run_id}/{task_id}",
+                status=TraceStatus.FAILED,
+                errors=[
+                    TraceError(
+                        kind=ErrorKind.TASK,
+                        message=str(error),
+                        where="taskset",
+                        type=type(error).__name__,
+                    )
+                ],
+                started_at=now,
+                finished_at=now,
+                metadata={"source": error.path, "line": error.line, "field": error.field},
+            )
+        )
+    return traces
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

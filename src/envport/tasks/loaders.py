@@ -148,24 +148,30 @@ def load_jsonl(
     columns: Mapping[str, str | None] | None = None,
     defaults: Mapping[str, Any] | None = None,
     name: str | None = None,
+    invalid: list[TaskFileError] | None = None,
 ) -> Taskset:
     """One task per line of a JSONL file (blank lines are skipped).
 
     Keys are Task fields (after ``columns`` renames them); an unknown key, bad JSON, an
     invalid field or an id already used on an earlier line raise
-    :class:`TaskFileError` with the line number. Relative ``files`` sources resolve
-    against the file's directory.
+    :class:`TaskFileError` with the line number. With ``invalid`` (a list), each bad
+    line's error is appended to it instead, and the lines after it are still read (a
+    batch run records each as a failed run of its own). Relative ``files`` sources
+    resolve against the file's directory.
     """
     path = Path(path)
     if not path.is_file():
         raise TaskFileError(path, None, None, "no such file")
     cols = _check_columns(columns)
     defs = _check_defaults(defaults)
-    return Taskset(lambda: _read_jsonl(path, cols, defs), name=name or path.stem)
+    return Taskset(lambda: _read_jsonl(path, cols, defs, invalid), name=name or path.stem)
 
 
 def _read_jsonl(
-    path: Path, columns: Mapping[str, str | None], defaults: Mapping[str, Any]
+    path: Path,
+    columns: Mapping[str, str | None],
+    defaults: Mapping[str, Any],
+    invalid: list[TaskFileError] | None = None,
 ) -> Iterator[Task]:
     root = str(path.parent.resolve())
     seen: dict[str, int] = {}
@@ -174,30 +180,45 @@ def _read_jsonl(
             if not text.strip():
                 continue
             try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TaskFileError(
-                    path, number, None, f"invalid JSON: {exc.msg} (column {exc.colno})"
-                ) from exc
-            if not isinstance(row, dict):
-                raise TaskFileError(
-                    path, number, None, f"expected a JSON object, got {type(row).__name__}"
-                )
-            data = _row_fields(
-                row, columns=columns, defaults=defaults, unknown="forbid", drop_none=False
-            )
-            data.setdefault("source", f"{path}:{number}")
-            data.setdefault("root", root)
-            try:
-                task = Task.model_validate(data)
-            except ValidationError as exc:
-                raise _validation_to_file_error(exc, path, number) from exc
-            if task.id in seen:
-                raise TaskFileError(
-                    path, number, "id", f"duplicate id {task.id!r} (first on line {seen[task.id]})"
-                )
+                task = _jsonl_task(path, number, text, columns, defaults, root, seen)
+            except TaskFileError as exc:
+                if invalid is None:
+                    raise
+                invalid.append(exc)
+                continue
             seen[task.id] = number
             yield task
+
+
+def _jsonl_task(
+    path: Path,
+    number: int,
+    text: str,
+    columns: Mapping[str, str | None],
+    defaults: Mapping[str, Any],
+    root: str,
+    seen: Mapping[str, int],
+) -> Task:
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TaskFileError(
+            path, number, None, f"invalid JSON: {exc.msg} (column {exc.colno})"
+        ) from exc
+    if not isinstance(row, dict):
+        raise TaskFileError(path, number, None, f"expected a JSON object, got {type(row).__name__}")
+    data = _row_fields(row, columns=columns, defaults=defaults, unknown="forbid", drop_none=False)
+    data.setdefault("source", f"{path}:{number}")
+    data.setdefault("root", root)
+    try:
+        task = Task.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_to_file_error(exc, path, number) from exc
+    if task.id in seen:
+        raise TaskFileError(
+            path, number, "id", f"duplicate id {task.id!r} (first on line {seen[task.id]})"
+        )
+    return task
 
 
 # --- Hugging Face datasets ----------------------------------------------------------

@@ -105,6 +105,7 @@ class ErrorKind(StrEnum):
     SANDBOX = "sandbox"
     RUBRIC = "rubric"
     INFRASTRUCTURE = "infrastructure"
+    TASK = "task"  # the task itself is malformed (a bad line of a task file): never run
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
