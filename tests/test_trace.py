@@ -243,6 +243,7 @@ def test_trace_error_from_exception_classifies_and_keeps_the_traceback() -> None
         "sandbox",
         "rubric",
         "infrastructure",
+        "task",
     }
 
 
