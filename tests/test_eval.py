@@ -211,6 +211,22 @@ def test_cli_eval_and_traces(tmp_path: Path) -> None:
     bad = envport_cli("eval", str(tmp_path / "missing.jsonl"), "--store", str(db), timeout=60)
     assert bad.returncode == 2
     assert "missing.jsonl" in bad.stderr
+    # Mistakes get one clear line, not a traceback.
+    for args, says in [
+        (("eval", "builtin:arithmetic", "--limit", "1", "--run-id", "cli"), "already has"),
+        (("traces", "list", "--status", "bogus"), "bogus"),
+        (("traces", "export", str(tmp_path / "out.txt")), ".jsonl or .parquet"),
+    ]:
+        bad = envport_cli(*args, "--store", str(db), env=WIDE, timeout=60)
+        assert bad.returncode == 2, bad.stderr
+        assert says in bad.stderr
+        assert "Traceback" not in bad.stderr
+    # The newest traces, listed newest last.
+    newest = SQLiteTraceStore(db).query(run_id="cli", limit=1, descending=True)[0]
+    listed = envport_cli(
+        "traces", "list", "--store", str(db), "--limit", "1", env=WIDE, timeout=60, check=True
+    )
+    assert newest.trace_id[:8] in listed.stdout
 
 
 def test_cli_eval_records_malformed_task_lines_and_unservable_envs_as_failed_runs(

@@ -167,21 +167,25 @@ def eval_command(
             env_urls=env_urls,
             agent=AgentConfig(max_turns=max_turns),
         )
-        summary = asyncio.run(
-            _run(
-                model,
-                model_name,
-                api_key,
-                store,
-                config,
-                task_list,
-                taskset,
-                run_id,
-                resume,
-                quiet=as_json,
-                invalid=invalid,
+        try:
+            summary = asyncio.run(
+                _run(
+                    model,
+                    model_name,
+                    api_key,
+                    store,
+                    config,
+                    task_list,
+                    taskset,
+                    run_id,
+                    resume,
+                    quiet=as_json,
+                    invalid=invalid,
+                )
             )
-        )
+        except EnvportError as exc:  # e.g. a run id already used, without --resume
+            _fail(exc.message)
+            return
     if as_json:
         out.print_json(summary.model_dump_json())
         return
@@ -277,17 +281,25 @@ def traces_list(
     min_reward: Annotated[float | None, typer.Option()] = None,
     limit: Annotated[int, typer.Option(min=1)] = 50,
 ) -> None:
-    """A table of traces, newest last."""
+    """A table of the newest --limit traces, newest last."""
     from envport.report import traces_table
 
     db = _open(store)
     try:
         traces = db.query(
-            run_id=run, task_id=task, status=status, min_reward=min_reward, limit=limit
+            run_id=run,
+            task_id=task,
+            status=status,
+            min_reward=min_reward,
+            limit=limit,
+            descending=True,
         )
+    except (EnvportError, ValueError) as exc:  # an unknown --status
+        _fail(str(exc))
+        return
     finally:
         db.close()
-    out.print(traces_table(traces))
+    out.print(traces_table(traces[::-1]))
 
 
 @traces_app.command("runs")
@@ -353,6 +365,8 @@ def traces_export(
         _fail(f"Unknown --format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}.")
     if fmt == "art" and path.suffix != ".jsonl":
         _fail("--format art writes JSONL (one TrajectoryGroup a line): use a .jsonl path.")
+    if path.suffix not in (".jsonl", ".parquet"):
+        _fail(f"Cannot export to {path}: use a .jsonl or .parquet path.")
     db = _open(store)
     try:
         if fmt == "trace":
