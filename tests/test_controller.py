@@ -506,3 +506,38 @@ async def test_exit_waits_for_no_pool_woken_as_it_is_cancelled(store: AsyncTrace
         await asyncio.sleep(0)
     assert summary.succeeded == 1
     assert pool.stats().instances == 0  # closed on the way out
+
+
+class _FailingSandbox:
+    """Stands in for a live sandbox whose shell died, or that refuses a request."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def exec(self, command: str, timeout_s: float | None) -> Any:
+        raise self.exc
+
+    async def snapshot(self) -> Any:
+        raise self.exc
+
+
+@pytest.mark.parametrize("dead", [True, False], ids=["sandbox-failed", "request-refused"])
+async def test_sandbox_v1_keeps_a_sandbox_failure_a_sandbox_failure(dead: bool) -> None:
+    """sandbox-v1 wraps the sandbox's errors for the agent; a failure of the sandbox itself
+    keeps its ``failure: sandbox`` detail, so the controller retries it on a fresh one."""
+    from envport.envs.sandbox_env import SandboxEnv
+    from envport.errors import EnvportError, from_wire
+    from envport.rollout.controller import classify
+    from envport.sandbox import SandboxError, SandboxFailure
+    from envport.trace import ErrorKind
+
+    env = SandboxEnv()
+    env.sandbox = _FailingSandbox(  # type: ignore[assignment]
+        SandboxFailure("the shell died") if dead else SandboxError("not a regular file")
+    )
+    for call in (env._run("true", None), env.snapshot()):
+        with pytest.raises(EnvportError) as info:
+            await call
+        remote = from_wire(info.value.to_wire())  # as a controller over a connection sees it
+        kind = classify(remote, "agent")
+        assert kind is (ErrorKind.SANDBOX if dead else ErrorKind.ENVIRONMENT)

@@ -41,6 +41,7 @@ from envport.sandbox import (
     Sandbox,
     SandboxConfig,
     SandboxError,
+    SandboxFailure,
     SandboxPathError,
     SandboxUnavailableError,
     Snapshot,
@@ -51,6 +52,12 @@ from envport.types import Action, Observation, StepResult
 
 MAX_TIMEOUT_S = 3600.0
 _OPTIONS = ("workspace", "files", "max_steps")
+
+
+def _failure(exc: SandboxError) -> dict[str, Any]:
+    """The detail that tells a controller the sandbox itself failed (retried on a fresh
+    one), kept when its error is wrapped for the agent."""
+    return {"failure": "sandbox"} if isinstance(exc, SandboxFailure) else {}
 
 
 class SandboxAction(Action):
@@ -145,7 +152,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
             try:
                 await self.sandbox.reset(self._task_start)
             except SandboxError as exc:
-                raise EnvExecutionError(f"sandbox-v1 could not reset: {exc}") from exc
+                raise EnvExecutionError(
+                    f"sandbox-v1 could not reset: {exc}", **_failure(exc)
+                ) from exc
         else:
             await self._start(workspace, files, key)
         self.max_steps = max_steps
@@ -168,7 +177,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
                 f"sandbox-v1: {exc} (construct with allow_unisolated=True to allow that)"
             ) from exc
         except SandboxError as exc:
-            raise EnvExecutionError(f"sandbox-v1 could not start its sandbox: {exc}") from exc
+            raise EnvExecutionError(
+                f"sandbox-v1 could not start its sandbox: {exc}", **_failure(exc)
+            ) from exc
         self.sandbox = sb
         for rel, (content, executable) in files.items():
             await sb.write_file(rel, content, mode=0o755 if executable else None)
@@ -205,14 +216,18 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         try:
             return (await self._require().snapshot()).id
         except SandboxError as exc:
-            raise EnvExecutionError(f"sandbox-v1 could not snapshot: {exc}") from exc
+            raise EnvExecutionError(
+                f"sandbox-v1 could not snapshot: {exc}", **_failure(exc)
+            ) from exc
 
     async def restore(self, snapshot_id: str) -> None:
         """Put the workspace back to a snapshot (the shell keeps its variables)."""
         try:
             await self._require().restore(snapshot_id)
         except SandboxError as exc:
-            raise EnvExecutionError(f"sandbox-v1 could not restore: {exc}") from exc
+            raise EnvExecutionError(
+                f"sandbox-v1 could not restore: {exc}", **_failure(exc)
+            ) from exc
 
     async def fork(self, n: int = 1) -> list[SandboxEnv]:
         """``n`` new environments continuing from this one's current state (workspace and
@@ -221,7 +236,7 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         try:
             children = await sb.fork(n)
         except SandboxError as exc:
-            raise EnvExecutionError(f"sandbox-v1 could not fork: {exc}") from exc
+            raise EnvExecutionError(f"sandbox-v1 could not fork: {exc}", **_failure(exc)) from exc
         envs = []
         for child in children:
             env = SandboxEnv(self.default_workspace, max_steps=self.default_max_steps)
@@ -264,7 +279,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         except SandboxPathError as exc:
             raise ToolError(f"Refused: {exc}.", kind="invalid_args") from exc
         except SandboxError as exc:
-            raise ToolError(f"Cannot read {path!r}: {exc}.", kind="execution_error") from exc
+            raise ToolError(
+                f"Cannot read {path!r}: {exc}.", kind="execution_error", **_failure(exc)
+            ) from exc
 
     @tool
     async def write_file(self, path: str, content: str) -> dict[str, Any]:
@@ -279,7 +296,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         except SandboxPathError as exc:
             raise ToolError(f"Refused: {exc}.", kind="invalid_args") from exc
         except SandboxError as exc:
-            raise ToolError(f"Cannot write {path!r}: {exc}.", kind="execution_error") from exc
+            raise ToolError(
+                f"Cannot write {path!r}: {exc}.", kind="execution_error", **_failure(exc)
+            ) from exc
         return {"path": path, "bytes": written}
 
     @tool
@@ -294,7 +313,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         except SandboxPathError as exc:
             raise ToolError(f"Refused: {exc}.", kind="invalid_args") from exc
         except SandboxError as exc:
-            raise ToolError(f"Cannot list {path!r}: {exc}.", kind="execution_error") from exc
+            raise ToolError(
+                f"Cannot list {path!r}: {exc}.", kind="execution_error", **_failure(exc)
+            ) from exc
 
     # --- internals ---------------------------------------------------------------------
 
@@ -319,7 +340,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         try:
             result = await sb.exec(command, timeout_s)
         except SandboxError as exc:
-            raise ToolError(f"Could not run the command: {exc}", kind="execution_error") from exc
+            raise ToolError(
+                f"Could not run the command: {exc}", kind="execution_error", **_failure(exc)
+            ) from exc
         return result.model_dump(exclude={"duration_s"})
 
     def _observation(self, **fields: Any) -> SandboxObservation:
