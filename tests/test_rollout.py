@@ -237,6 +237,24 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
     assert list(state.iterdir()) == []
 
 
+async def test_local_backend_forgets_every_file_of_an_instance_found_dead(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "instances"
+    state.mkdir()
+    done = await asyncio.create_subprocess_exec("true")  # its pid is free once reaped
+    await done.wait()
+    dead = EnvInstance(
+        instance_id="local-dead", backend="local", env_id="echo-v1", meta={"pid": done.pid}
+    )
+    (state / "local-dead.json").write_text(dead.model_dump_json())
+    (state / "local-dead.log").write_text("server log")
+    (state / "local-dead.port").write_text("12345")
+    async with LocalProcessBackend(state, cwd=ROOT) as backend:
+        assert await backend.list() == []
+    assert list(state.iterdir()) == []
+
+
 async def test_local_backend_start_failure_names_the_cause_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:

@@ -231,7 +231,8 @@ class LocalProcessBackend(Backend):
                 continue
             pid = int(instance.meta.get("pid", 0))
             if not pid or not _alive(pid, instance.instance_id):
-                path.unlink(missing_ok=True)  # died with its controller's machine, or killed
+                # died with its controller's machine, or killed: its files go too
+                _forget(self.state_dir, instance.instance_id)
                 continue
             if all(instance.labels.get(k) == v for k, v in want.items()):
                 found.append(instance)
