@@ -175,6 +175,23 @@ async def test_resume_finishes_without_redoing(model_url: str, tmp_path: Path) -
     assert before - {stale.trace_id} <= {t.trace_id for t in traces}  # kept, not redone
 
 
+def test_unscored_runs_count_in_neither_the_mean_nor_pass_at_k() -> None:
+    from envport.evaluate import summarise
+    from envport.trace import Trace
+
+    def done(task_id: str, reward: float | None) -> Trace:
+        return Trace(task_id=task_id, status=TraceStatus.COMPLETED, reward=reward)
+
+    summary = summarise(
+        "r", [done("a", 1.0), done("a", None), done("b", None), done("b", None)], tasks=2
+    )
+    assert summary.completed == 4
+    assert summary.mean_reward == 1.0
+    assert summary.pass_at_k == {1: 1.0}  # only task a's scored run; b has none
+    nothing = summarise("r", [done("b", None)], tasks=1)
+    assert (nothing.mean_reward, nothing.pass_at_k) == (None, {})
+
+
 def test_pass_at_k() -> None:
     assert pass_at_k(4, 0, 1) == 0.0
     assert pass_at_k(4, 4, 2) == 1.0
@@ -312,3 +329,39 @@ def test_cli_eval_harbor_task_dir(tmp_path: Path) -> None:
     summary = json.loads(done.stdout)
     assert summary["completed"] == 1, SQLiteTraceStore(db).query()[0].errors
     assert summary["mean_reward"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("config", "stop", "calls"),
+    [
+        (AgentConfig(max_turns=2), "max_turns", 2),
+        (AgentConfig(max_total_tokens=1), "token_budget", 1),
+    ],
+    ids=["max-turns", "token-budget"],
+)
+async def test_the_agent_stops_on_each_of_its_limits(
+    model_url: str, config: AgentConfig, stop: str, calls: int
+) -> None:
+    """A guessing game that takes many turns: each limit ends the episode where it says,
+    and the trace says why."""
+    from envport.client import EnvClient
+    from envport.harness import ToolCallingAgent
+    from envport.trace import Trace
+
+    task = Task(
+        id="guess",
+        prompt="Guess my number between 1 and 1000.",
+        env_id="guess-number-v1",
+        seed=3,
+        env_options={"high": 1000, "max_steps": 50},
+    )
+    model = ChatModel(model_url, "scripted")
+    trace = Trace(task_id=task.id)
+    try:
+        async with EnvClient.connect("guess-number-v1") as env:
+            await ToolCallingAgent(model, config).run(task, env, trace)
+    finally:
+        await model.aclose()
+    assert trace.stop_reason == stop
+    assert len(trace.model_calls) == calls
+    assert len(trace.steps) == calls

@@ -246,7 +246,8 @@ def summarise(
     rewards = [t.reward for t in completed if t.reward is not None]
     by_task: dict[str, list[Trace]] = {}
     for t in completed:
-        by_task.setdefault(t.task_id or "", []).append(t)
+        if t.reward is not None:  # unscored (no rubric): in neither the mean nor pass@k
+            by_task.setdefault(t.task_id or "", []).append(t)
     ks = sorted({1, *(len(v) for v in by_task.values())})
     pass_k: dict[int, float] = {}
     for k in ks:
