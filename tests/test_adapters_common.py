@@ -220,6 +220,34 @@ def test_skyrl_lists_align_and_mask_missing_rows() -> None:
     assert without["rollout_logprobs"] is None  # never a ragged mix
 
 
+def test_skyrl_gives_a_failed_rollout_its_group_s_mean_reward() -> None:
+    """Masked, it trains nothing; with its group's mean it leaves the group's baseline
+    where the scored runs put it (0.0 would drag it down)."""
+
+    def grouped(group: str, reward: float | None) -> Rollout:
+        if reward is None:
+            r = rollout(status=TraceStatus.FAILED)
+        else:
+            scored = row(6)
+            scored.reward = reward
+            r = rollout(scored)
+        r.trace.group_id = group
+        return r
+
+    out = output_lists(
+        [
+            grouped("a", 1.0),
+            grouped("a", 0.0),
+            grouped("a", None),
+            grouped("b", 0.5),
+            grouped("b", None),
+            grouped("c", None),  # no scored sibling
+        ]
+    )
+    assert [r[-1] for r in out["rewards"]] == [1.0, 0.0, 0.5, 0.5, 0.5, 0.0]
+    assert out["loss_masks"][2] == out["loss_masks"][4] == out["loss_masks"][5] == [0]
+
+
 def test_skyrl_dataset_carries_the_task() -> None:
     (entry,) = skyrl_dataset(load("builtin:guess-number").head(1))
     assert entry["env_class"] == "guess-number-v1"

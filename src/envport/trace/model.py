@@ -5,7 +5,8 @@ One versioned pydantic model, :class:`Trace`, whose JSON Schema is published at
 
 * **identity** — ``trace_id`` (this record), ``run_id`` (the experiment), ``task_id`` /
   ``task_hash`` / ``taskset`` (what was attempted), ``rollout_id`` + ``attempt`` (one
-  rollout may take several attempts; each attempt is its own trace), ``group_id``
+  rollout may take several attempts; the store keeps the last one's trace, with the
+  earlier attempts' errors in ``metadata["previous_attempts"]``), ``group_id``
   (rollouts of one prompt compared together, as in GRPO), ``env_id``, ``policy_version``.
 * **messages** — a graph, not a list: every :class:`Message` names its ``parent_id``, so
   branches (several continuations of one prefix) and forks (a trace continued from a

@@ -16,8 +16,9 @@ earned it, for a rubric that does not already count them), ``rollout_logprobs``,
 Which task a prompt is: ``env_extras[i]["envport_task"]`` (a task as JSON; build the
 dataset with :func:`skyrl_dataset`), else a task made from the prompt and
 ``env_classes[i]`` as the env id. A rollout that split hands SkyRL one fragment; a
-rollout that gave no row is returned fully masked (one pad token, mask 0, reward 0.0)
-and counted in ``rollout_metrics["envport/no_row"]``, or raised with
+rollout that gave no row is returned fully masked (one pad token, mask 0; its reward the
+mean of its group's scored rollouts, so failures do not pull the group's baseline toward
+0) and counted in ``rollout_metrics["envport/no_row"]``, or raised with
 ``on_failure="raise"``.
 
 skyrl-train is imported only when the class is built (``EnvportGenerator`` on first
@@ -74,7 +75,17 @@ def output_lists(
     pad_id: int = 0,
     step_rewards: bool = False,
 ) -> dict[str, Any]:
-    """The list fields of SkyRL's ``GeneratorOutput`` for rollouts, in order."""
+    """The list fields of SkyRL's ``GeneratorOutput`` for rollouts, in order.
+
+    A rollout with no row is a fully masked stand-in. Its reward is the mean of the
+    rewards of its group's rollouts that have rows (same ``trace.group_id``), so the
+    group's baseline is the mean of the runs that were scored, not pulled toward 0 by
+    runs that failed; 0.0 when it has no group or no scored sibling."""
+    scored: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        group = rollout.trace.group_id
+        if group is not None and rollout.row is not None and rollout.row.reward is not None:
+            scored.setdefault(group, []).append(rollout.row.reward)
     out: dict[str, Any] = {
         "prompt_token_ids": [],
         "response_ids": [],
@@ -97,7 +108,8 @@ def output_lists(
             )
             out["prompt_token_ids"].append(list(first or [pad_id]))
             out["response_ids"].append([pad_id])
-            out["rewards"].append([0.0])
+            siblings = scored.get(rollout.trace.group_id or "")
+            out["rewards"].append([sum(siblings) / len(siblings) if siblings else 0.0])
             out["loss_masks"].append([0])
             out["stop_reasons"].append("error")
             if logprobs is not None:
