@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envport.client import EnvClient
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
-from envport.procs import pid_alive
+from envport.procs import owner_alive, start_time
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
 from envport.rollout.pool import EnvPool, Lease, PoolClosedError
 from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
@@ -320,7 +320,11 @@ class _Flight:
 
 
 def _controller_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    """``host:pid:random[:start]``: the start time tells this process from a later one
+    that gets the same pid (see :mod:`envport.procs`)."""
+    start = start_time(os.getpid())
+    tail = "" if start is None else f":{start}"
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}{tail}"
 
 
 async def _settle(job: asyncio.Task[None], client: EnvClient) -> None:
@@ -448,9 +452,10 @@ class Controller:
         host = socket.gethostname()
         for rec in stale:
             owner = (rec.controller or "").split(":")
-            if len(owner) == 3 and owner[0] == host and owner[1].isdigit():
+            if len(owner) in (3, 4) and owner[0] == host and owner[1].isdigit():
                 pid = int(owner[1])
-                if pid != os.getpid() and pid_alive(pid):
+                start = int(owner[3]) if len(owner) == 4 and owner[3].isdigit() else None
+                if pid != os.getpid() and owner_alive(pid, start):
                     raise ControllerConflictError(
                         f"run {self.run_id!r} is being driven by a live controller "
                         f"(pid {pid}); stop it first, or use another run id"

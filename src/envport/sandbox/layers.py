@@ -31,6 +31,7 @@ import stat
 import threading
 from pathlib import Path
 
+from envport.procs import owner_tag
 from envport.sandbox import mounts
 
 #: More lower layers than this and a snapshot flattens the stack into one layer.
@@ -52,7 +53,7 @@ class Layer:
 
     @classmethod
     def create(cls, runtime: Path, *, size_bytes: int, tmpfs: bool = True) -> Layer:
-        path = runtime / f"L{os.getpid()}-{secrets.token_hex(4)}"
+        path = runtime / f"L{owner_tag()}-{secrets.token_hex(4)}"
         path.mkdir(mode=0o700)
         if tmpfs:
             try:

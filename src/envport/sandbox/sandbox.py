@@ -75,7 +75,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envport.procs import pid_alive
+from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.sandbox import mounts
 from envport.sandbox.cgroups import CgroupSet, own_cgroups
 from envport.sandbox.config import (
@@ -155,8 +155,8 @@ def cleanup_stale(runtime: Path | None = None) -> list[str]:
     removed: list[str] = []
     entries = list(runtime.iterdir()) if runtime.is_dir() else []
     for entry in entries:
-        owner = _owner(entry.name[1:])
-        if entry.name[:1] not in "SL" or owner is None or pid_alive(owner):
+        owner = parse_owner(entry.name[1:])
+        if entry.name[:1] not in "SL" or owner is None or owner_alive(*owner):
             continue
         with contextlib.suppress(OSError):
             mounts.unmount_all(entry)
@@ -164,17 +164,12 @@ def cleanup_stale(runtime: Path | None = None) -> list[str]:
             removed.append(entry.name)
     for directory in own_cgroups().values():
         for group in directory.glob("envport-*"):
-            owner = _owner(group.name[len("envport-") :])
-            if owner is not None and not pid_alive(owner):
+            owner = parse_owner(group.name[len("envport-") :])
+            if owner is not None and not owner_alive(*owner):
                 with contextlib.suppress(OSError):
                     CgroupSet({"any": group}).remove(timeout_s=1.0)
                     removed.append(group.name)
     return removed
-
-
-def _owner(name: str) -> int | None:
-    pid, sep, _ = name.partition("-")
-    return int(pid) if sep and pid.isdigit() else None
 
 
 @dataclasses.dataclass
@@ -253,7 +248,7 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig, *, isolated: bool, bwrap: str | None) -> None:
         self.config = config
-        self.id = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.id = f"{owner_tag()}-{secrets.token_hex(4)}"
         self.isolated = isolated
         self.status = SandboxStatus.READY
         self._bwrap = bwrap
