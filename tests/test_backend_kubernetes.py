@@ -174,6 +174,25 @@ async def test_failed_start_reports_the_pods_log_and_leaves_nothing(
     assert set(fake.jobs) == before
 
 
+async def test_a_start_cancelled_while_its_create_is_in_flight_leaves_no_job(
+    backend: KubernetesBackend, kube: tuple[FakeKube, str]
+) -> None:
+    """Cancelled while the API is still answering the create (the Job already exists on
+    the server): the start waits for that answer, then deletes the Job."""
+    fake, _ = kube
+    before = set(fake.jobs)
+    fake.create_delay_s = 1.0
+    try:
+        start = asyncio.create_task(backend.start(EnvLaunch(env_id="echo-v1")))
+        await _until(lambda: set(fake.jobs) != before)  # created; its answer still to come
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+    finally:
+        fake.create_delay_s = 0.0
+    await _until(lambda: set(fake.jobs) == before)
+
+
 async def test_deadline_while_starting_is_reported(kube: tuple[FakeKube, str]) -> None:
     fake, url = kube
     async with KubernetesBackend(host=url, namespace="rl", port=PORT, active_deadline_s=1) as b:

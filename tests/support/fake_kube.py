@@ -33,6 +33,7 @@ scheduling, restarts and watches are not modelled.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -160,6 +161,9 @@ class FakeKube:
         # For tests: readiness probes fail (a server that never answers), so a start
         # meets its deadline however fast this machine starts the real process.
         self.probes_fail = False
+        # For tests: seconds a create takes to answer (it is stored first, as on a slow
+        # API server), so a client can be cancelled while its create is in flight.
+        self.create_delay_s = 0.0
 
     # --- serving ------------------------------------------------------------------------
 
@@ -204,7 +208,10 @@ class FakeKube:
             try:
                 self._check_namespace(ns)
                 if request.method == "POST":
-                    return JSONResponse(self._create(resource, ns, body), status_code=201)
+                    created = self._create(resource, ns, body)
+                    if self.create_delay_s:
+                        await asyncio.sleep(self.create_delay_s)
+                    return JSONResponse(created, status_code=201)
                 return JSONResponse(
                     self._list(resource, ns, request.query_params.get("labelSelector", ""))
                 )

@@ -249,19 +249,25 @@ class KubernetesBackend(Backend):
         began = time.monotonic()
         if kind == "Job":
             body = k8s.client.V1Job.from_dict(obj)
-            await self._call(
+            create = self._call(
                 f"create Job {name}",
                 lambda: self._batch().create_namespaced_job(self.namespace, body),
             )
         else:
             body = k8s.client.V1Pod.from_dict(obj)
-            await self._call(
+            create = self._call(
                 f"create Pod {name}",
                 lambda: self._core().create_namespaced_pod(self.namespace, body),
             )
+        created = asyncio.ensure_future(create)
         try:
+            # Shielded: cancelled while the API call runs in its thread, the create still
+            # lands; the cleanup below waits for it, so there is something to delete.
+            await asyncio.shield(created)
             pod = await self._wait_ready(name, kind, launch.start_timeout_s)
         except BaseException:
+            with contextlib.suppress(BaseException):
+                await created
             with contextlib.suppress(BackendError):
                 await self._delete(name, kind)
             raise
