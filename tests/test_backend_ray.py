@@ -17,12 +17,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import PIPE
+from typing import Any
 
 import pytest
 
@@ -287,6 +289,51 @@ async def test_unsatisfiable_resources_time_out_and_leave_nothing(cluster: RayCl
         with pytest.raises(BackendError, match=r"did not start.*gpu_that_is_not_there"):
             await b.start(EnvLaunch(env_id="echo-v1", start_timeout_s=2))
         assert await b.list() == []
+
+
+class _SlowToAnswer:
+    """The backend's actor class, whose creation answers a second after the actor exists
+    (as on a busy cluster): a start can be cancelled in between."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.created = threading.Event()
+
+    def options(self, **options: Any) -> Any:
+        made = self.real.options(**options)
+        created = self.created
+
+        class _Remote:
+            def remote(self, record: Any) -> Any:
+                handle = made.remote(record)
+                created.set()
+                time.sleep(1.0)
+                return handle
+
+        return _Remote()
+
+
+async def test_a_start_cancelled_while_its_actor_is_created_leaves_no_actor(
+    backend: RayBackend,
+) -> None:
+    from envport.rollout.backends.ray import _EnvServerActor
+
+    def named() -> set[str]:
+        return {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == backend.namespace
+        }
+
+    before = await asyncio.to_thread(named)
+    slow = _SlowToAnswer(ray.remote(_EnvServerActor))
+    backend._actor_cls = slow
+    start = asyncio.create_task(backend.start(EnvLaunch(env_id="echo-v1")))
+    assert await asyncio.to_thread(slow.created.wait, 30)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert await asyncio.to_thread(named) == before
 
 
 async def test_worker_node_death(backend: RayBackend, cluster: RayCluster) -> None:

@@ -237,10 +237,18 @@ class RayBackend(Backend):
         def create() -> Any:
             return actor_cls.options(name=name, **options).remote(record)
 
+        created = asyncio.ensure_future(asyncio.to_thread(create))
         try:
-            handle = await asyncio.to_thread(create)
+            # Shielded: cancelled while Ray creates the (detached, named) actor in its
+            # thread, the actor still comes to be; it is waited for, then killed.
+            handle = await asyncio.shield(created)
         except (ValueError, TypeError) as exc:
             raise BackendError(f"Ray refused the actor options for {name}: {exc}") from exc
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                self._handles[name] = await created
+            await asyncio.shield(self._kill(name))
+            raise
         self._handles[name] = handle
         ref = handle.serve.remote(
             launch.env_id,
