@@ -75,6 +75,18 @@ def test_run_refuses_to_mix_runs_and_bad_input(tmp_path: Path) -> None:
     no_id = envport_cli("run", "builtin:arithmetic", "--resume", "--store", str(db), timeout=60)
     assert no_id.returncode == 2
     assert "--resume needs --run-id" in no_id.stderr
+    remote = envport_cli(
+        "run",
+        "builtin:arithmetic",
+        "--backend",
+        "ray",
+        "--allow-unisolated",
+        "--store",
+        str(db),
+        timeout=60,
+    )
+    assert remote.returncode == 2
+    assert "local backends only" in remote.stderr
     with SQLiteTraceStore(db) as store:
         assert store.count(run_id="a") == 2  # nothing run twice
 

@@ -101,7 +101,8 @@ def run_command(
         typer.Option(
             help="Where sandboxes cannot be isolated (no bubblewrap, no user namespaces): "
             "run them as plain local processes instead of failing ([bold]sandbox[/] falls "
-            "back to [bold]local[/]; sandbox-v1 runs commands unisolated)."
+            "back to [bold]local[/]; sandbox-v1 runs commands unisolated). Local backends "
+            "only: on ray and kubernetes the nodes' own setup decides."
         ),
     ] = False,
     ray_address: Annotated[
@@ -173,6 +174,11 @@ def run_command(
     run_id = run_id or uuid.uuid4().hex[:12]
     env_options: dict[str, dict[str, Any]] = {}
     local = (BackendName.INPROCESS, BackendName.LOCAL, BackendName.SANDBOX)
+    if allow_unisolated and backend not in local:
+        _fail(
+            f"--allow-unisolated applies to the local backends only; on {backend.value} "
+            "the nodes' own setup decides whether sandboxes are isolated."
+        )
     if backend in local and (allow_unisolated or backend is BackendName.SANDBOX):
         env_options = {env: {"allow_unisolated": True} for env in SANDBOXED_ENVS}
     config = ControllerConfig(
