@@ -108,6 +108,18 @@ async def test_model_garbage_and_errors(
     (bad,) = [t for t in traces if t.status is TraceStatus.FAILED]
     assert bad.errors[0].kind.value == "model_provider"
     assert bad.errors[0].where == "agent"
+    # The failed call itself is on the trace: its request, and what came back.
+    failed = bad.model_calls[-1]
+    assert failed.error is not None
+    assert failed.error.kind.value == "model_provider"
+    assert failed.request is not None
+    assert failed.request["messages"]
+    assert failed.choices == []
+    if fault == "500":
+        assert failed.metadata["status"] == 500
+        assert "Injected fault" in failed.metadata["body"]
+    elif fault == "garbage":
+        assert failed.metadata["body"]  # the unusable answer, kept
 
 
 async def test_unknown_env_and_crashing_env_do_not_stop_the_batch(

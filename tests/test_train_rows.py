@@ -308,6 +308,25 @@ def test_missing_token_ids_skip_the_call_and_label_the_split() -> None:
     assert result.counts["missing_token_ids"] == 3
 
 
+def test_a_failed_call_the_agent_retried_leaves_the_row_whole() -> None:
+    """A call that failed (an error, nothing generated) and was tried again: the row is
+    the same one exact row as without it, not split at the failure."""
+    from envport.trace import ErrorKind, ModelCall, TraceError
+
+    trace = rollout(THREE_TURNS)
+    failed = ModelCall(
+        model="m",
+        error=TraceError(kind=ErrorKind.MODEL_PROVIDER, message="HTTP 503"),
+    )
+    trace.model_calls.insert(1, failed)
+    result = build_rows(trace)
+    (row,) = result.rows
+    assert row.split_reason is None
+    assert row.num_turns == 3
+    assert result.dropped == []
+    assert_token_exact(row, [c for c in trace.model_calls if c is not failed])
+
+
 def test_mismatched_logprob_lengths_are_refused_not_misaligned() -> None:
     trace = rollout(THREE_TURNS)
     good = trace.model_calls[1].choices[0]

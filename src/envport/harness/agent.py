@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from envport.client import ClientStepResult, EnvClient
-from envport.harness.model import ChatModel
+from envport.harness.model import ChatModel, ModelProviderError
 from envport.tasks import Task
 from envport.trace import Message, StepRecord, ToolCall, Trace
 
@@ -113,7 +113,13 @@ class ToolCallingAgent:
         spent = 0
         for turn in range(self.config.max_turns):
             wire = [_wire_message(m) for m in trace.path(trace.messages[-1].id)]
-            call, reply = await self.model.complete(wire, _tool_schemas(tools) or None)
+            try:
+                call, reply = await self.model.complete(wire, _tool_schemas(tools) or None)
+            except ModelProviderError as exc:
+                if exc.call is not None:  # the failed call goes on the trace, then the error
+                    exc.call.step_index = turn
+                    trace.model_calls.append(exc.call)
+                raise
             call.step_index = turn
             call.input_message_ids = [m.id for m in trace.path(trace.messages[-1].id)]
             trace.model_calls.append(call)

@@ -23,7 +23,9 @@ import orjson
 
 from envport.errors import EnvportError
 from envport.gateway.capture import parse_response
-from envport.trace import ModelCall, SamplingParams
+from envport.trace import ErrorKind, ModelCall, SamplingParams, TraceError
+
+_KEPT_BODY = 4096  # characters of a failed answer's body kept on its recorded call
 
 
 class ModelProviderError(EnvportError):
@@ -33,6 +35,9 @@ class ModelProviderError(EnvportError):
         super().__init__(message, status=status, retryable=retryable)
         self.status = status
         self.retryable = retryable
+        #: The failed call as recorded (request, latency, the body that came back, the
+        #: error), for the trace; set by :meth:`ChatModel.complete`.
+        self.call: ModelCall | None = None
 
 
 class ChatModel:
@@ -82,20 +87,46 @@ class ChatModel:
         started = datetime.now(UTC)
         t0 = time.perf_counter()
         url = f"{self.base_url}/chat/completions"
+        known = SamplingParams.model_fields
+
+        def failed(
+            message: str, *, status: int | None = None, retryable: bool = False, got: str = ""
+        ) -> ModelProviderError:
+            """The error to raise, carrying the call as it went (for the trace)."""
+            error = ModelProviderError(message, status=status, retryable=retryable)
+            error.call = ModelCall(
+                model=self.model,
+                endpoint=url,
+                api="chat.completions",
+                sampling=SamplingParams(**{k: v for k, v in body.items() if k in known}),
+                request=body,
+                started_at=started,
+                latency_s=time.perf_counter() - t0,
+                error=TraceError(
+                    kind=ErrorKind.MODEL_PROVIDER,
+                    message=message,
+                    where="agent",
+                    retryable=retryable,
+                ),
+                metadata={"status": status, "body": got[:_KEPT_BODY]} if status or got else {},
+            )
+            return error
+
         try:
             response = await self._client.post(url, content=orjson.dumps(body))
         except httpx.TimeoutException as exc:
-            raise ModelProviderError(f"Model endpoint timed out: {url}", retryable=True) from exc
+            raise failed(f"Model endpoint timed out: {url}", retryable=True) from exc
         except httpx.HTTPError as exc:
-            raise ModelProviderError(
+            raise failed(
                 f"Model endpoint unreachable: {url}: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
         latency = time.perf_counter() - t0
         if response.status_code >= 400:
-            raise ModelProviderError(
+            raise failed(
                 f"Model endpoint answered HTTP {response.status_code}: {response.text[:300]}",
                 status=response.status_code,
                 retryable=response.status_code in (408, 429) or response.status_code >= 500,
+                got=response.text,
             )
         try:
             payload = orjson.loads(response.content)
@@ -104,12 +135,13 @@ class ChatModel:
             if not isinstance(message, dict):
                 raise TypeError("message is not an object")
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
-            raise ModelProviderError(
-                f"Model endpoint returned an invalid completion: {response.text[:300]!r}"
+            raise failed(
+                f"Model endpoint returned an invalid completion: {response.text[:300]!r}",
+                status=response.status_code,
+                got=response.text,
             ) from exc
         # One parser of vLLM's token fields for the whole project (the gateway's).
         choices, prompt_ids, usage, token_data = parse_response(payload)
-        known = SamplingParams.model_fields
         call = ModelCall(
             model=self.model,
             response_model=payload.get("model"),

@@ -363,6 +363,8 @@ def build_rows(
     current: _Open | None = None
     pending: str | None = None  # why the next fragment starts
     for call in trace.model_calls:
+        if call.error is not None and not call.choices:
+            continue  # a call that failed (its error is recorded): nothing was generated
         choice, problem = _usable(call)
         if choice is None:
             assert problem is not None
