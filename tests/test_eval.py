@@ -155,6 +155,39 @@ async def test_rubric_that_raises_is_recorded(model_url: str, tmp_path: Path) ->
     assert trace.reward is None
 
 
+async def test_a_rubric_raising_while_it_scores_is_a_rubric_error_never_zero(
+    model_url: str, tmp_path: Path
+) -> None:
+    """A rubric that builds fine and raises when it scores (not a bad spec): the run
+    is a failed trace of kind ``rubric`` with no reward, and the batch goes on."""
+    from envport.rubrics import register
+
+    @register("raises_when_scoring", replace=True)
+    def _factory() -> Any:
+        def score(completion: str) -> float:
+            raise RuntimeError(f"the scorer broke on {completion[:20]!r}")
+
+        return score
+
+    good = list(load("builtin:arithmetic").head(2))
+    broken = Task.model_validate(
+        {
+            **good[0].model_dump(),
+            "id": "broken-rubric",
+            "rubric": [{"type": "raises_when_scoring"}],
+        }
+    )
+    summary, traces = await run([*good, broken], model_url, tmp_path / "t.db")
+    assert (summary.completed, summary.failed) == (2, 1)
+    (trace,) = [t for t in traces if t.task_id == "broken-rubric"]
+    assert trace.status is TraceStatus.FAILED
+    assert trace.errors[0].kind.value == "rubric"
+    assert "the scorer broke" in trace.errors[0].message
+    assert trace.reward is None
+    assert trace.model_calls  # the run itself happened; only its scoring failed
+    assert summary.errors_by_kind == {"rubric": 1}
+
+
 async def test_resume_finishes_without_redoing(model_url: str, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     tasks = list(load("builtin:arithmetic").head(6))
