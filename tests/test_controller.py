@@ -553,3 +553,31 @@ async def test_sandbox_v1_keeps_a_sandbox_failure_a_sandbox_failure(dead: bool) 
         remote = from_wire(info.value.to_wire())  # as a controller over a connection sees it
         kind = classify(remote, "agent")
         assert kind is (ErrorKind.SANDBOX if dead else ErrorKind.ENVIRONMENT)
+
+
+async def test_a_scoring_past_its_deadline_fails_as_the_rubric_s_and_is_not_retried(
+    store: AsyncTraceStore,
+) -> None:
+    """Scoring runs under its own deadline: a rubric still working at it is stopped, the
+    run fails as a rubric error (not retried), and the batch goes on."""
+    from envport.rubrics import register
+
+    @register("slow_scorer", replace=True)
+    def _factory() -> Any:
+        async def score() -> float:
+            await asyncio.sleep(30)
+            return 1.0
+
+        return score
+
+    config = ControllerConfig(scoring_timeout_s=0.5, **FAST)
+    slow = task("slow", ["hi"], rubric=[{"type": "slow_scorer"}])
+    quick = task("quick", ["hi"])
+    ctl = Controller(store, InProcessBackend(), ScriptHarness(), config, run_id="r")
+    summary = await asyncio.wait_for(ctl.run([RolloutSpec(slow), RolloutSpec(quick)]), 30)
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    (trace,) = await store.query(run_id="r", task_id="slow")
+    assert trace.errors[0].kind.value == "rubric"
+    assert "scoring exceeded its deadline" in trace.errors[0].message
+    assert trace.reward is None
+    assert db(store).get_rollout("r/slow/0").attempts == 1  # a rubric error: not retried
