@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from envport.coro import resume
+from envport.deadlines import GRACE_S, declared_timeout
 from envport.env import Env
 from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
 from envport.types import State, StepResult
@@ -124,7 +125,7 @@ class Session:
         await self._take_turn()
         try:
             self._check_usable()
-            return await self._guard("step", self.env.step(action))
+            return await self._guard("step", self.env.step(action), declared_timeout(action))
         finally:
             self._turns.release()
 
@@ -141,7 +142,8 @@ class Session:
         try:
             self._check_usable()
             self.env.step_count += 1
-            return await self._guard("call_tool", self.env.call_tool(name, arguments))
+            declared = declared_timeout(arguments)
+            return await self._guard("call_tool", self.env.call_tool(name, arguments), declared)
         finally:
             self._turns.release()
 
@@ -196,8 +198,15 @@ class Session:
                 "discarded; call reset() to start a fresh one."
             )
 
-    async def _guard(self, what: str, call: Coroutine[Any, Any, T]) -> T:
+    async def _guard(
+        self, what: str, call: Coroutine[Any, Any, T], declared: float | None = None
+    ) -> T:
+        """Run ``call`` under the session's call deadline, or longer when the call
+        ``declared`` it may take longer (:mod:`envport.deadlines`)."""
         self.last_active = time.monotonic()
+        limit = self.call_timeout_s
+        if declared is not None and limit is not None:
+            limit = max(limit, declared + GRACE_S)
         try:
             # Run the call eagerly: most steps of a fast environment finish without ever
             # suspending, and those need no deadline (arming and cancelling a timer is a
@@ -210,14 +219,14 @@ class Session:
                 return result
             # ``asyncio.timeout`` runs the call in this task; ``wait_for`` (3.11) would wrap
             # it in a new Task per call: two more event-loop hops.
-            async with asyncio.timeout(self.call_timeout_s):
+            async with asyncio.timeout(limit):
                 return await resume(call, pending)
         except TimeoutError:
             self._poison()
             raise EnvTimeoutError(
-                f"{what} did not finish within {self.call_timeout_s:g} s; the environment "
+                f"{what} did not finish within {limit:g} s; the environment "
                 "was discarded. Call reset() to continue on a fresh one.",
-                timeout_s=self.call_timeout_s,
+                timeout_s=limit,
             ) from None
         finally:
             self.last_active = time.monotonic()

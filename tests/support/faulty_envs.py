@@ -9,10 +9,12 @@ import threading
 import time
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from envport.env import Env
 from envport.envs.echo import EchoAction, EchoObservation
 from envport.sandbox import SandboxFailure
-from envport.types import StepResult
+from envport.types import Action, StepResult
 
 
 def _first_time(marker: str) -> bool:
@@ -88,3 +90,28 @@ class BrokenFactoryEnv(Env[EchoAction, EchoObservation]):
         if BrokenFactoryEnv.created > 1:  # the server's metadata probe is the first
             raise OSError("cannot allocate the environment")
         super().__init__()
+
+
+class CommandAction(Action):
+    """``sleep:SECONDS`` as a command, with the timeout it declares (as shell envs do)."""
+
+    command: str
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class LongCommandEnv(Env[CommandAction, EchoObservation]):
+    """Commands that take as long as they say, killed at their own ``timeout_s``."""
+
+    action_type = CommandAction
+    observation_type = EchoObservation
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[EchoObservation]:
+        return StepResult(observation=EchoObservation(echoed_message="ready"))
+
+    async def on_step(self, action: CommandAction) -> StepResult[EchoObservation]:
+        seconds = float(action.command.removeprefix("sleep:"))
+        if action.timeout_s is not None and seconds > action.timeout_s:
+            await asyncio.sleep(action.timeout_s)
+            return StepResult(observation=EchoObservation(echoed_message="killed"))
+        await asyncio.sleep(seconds)
+        return StepResult(observation=EchoObservation(echoed_message=f"slept {seconds:g}"))

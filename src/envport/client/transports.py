@@ -23,6 +23,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
+from envport.deadlines import call_deadline, declared_timeout
 from envport.errors import (
     ConnectionLostError,
     EnvportError,
@@ -166,8 +167,11 @@ class WebSocketTransport:
             self._ws.transport.abort()
             self._ws = None
 
-    async def _exchange(self, frame: dict[str, Any]) -> dict[str, Any]:
-        """Send one frame and read until its reply.
+    async def _exchange(
+        self, frame: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """Send one frame and read until its reply (``timeout_s``, default the
+        transport's, for it).
 
         Replies that belong to earlier requests (which timed out or were cancelled on our
         side) are never taken for this one: with envport's extensions they carry another
@@ -181,7 +185,7 @@ class WebSocketTransport:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
             # cancellation that lands just as the reply arrives, and the caller then
             # keeps reading (or waits timeout_s for a reply that never comes).
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s or self.timeout_s):
                 while True:
                     reply: dict[str, Any] = orjson.loads(await self._ws.recv())
                     if not self.extended:
@@ -204,18 +208,20 @@ class WebSocketTransport:
                 await self.open()
             if self.extended:
                 frame = {**frame, "id": next(self._ids)}
+            # A step that declares its own timeout_s may take that long (envport.deadlines).
+            limit = self.timeout_s
+            if frame.get("type") == "step":
+                limit = call_deadline(limit, frame.get("data")) or limit
             try:
-                return await self._exchange_resuming(frame)
+                return await self._exchange_resuming(frame, limit)
             except TimeoutError:
-                raise RemoteError(
-                    f"No reply within {self.timeout_s:g} s", ErrorCode.TIMEOUT.value
-                ) from None
+                raise RemoteError(f"No reply within {limit:g} s", ErrorCode.TIMEOUT.value) from None
 
-    async def _exchange_resuming(self, frame: dict[str, Any]) -> dict[str, Any]:
+    async def _exchange_resuming(self, frame: dict[str, Any], limit: float) -> dict[str, Any]:
         drops = 0
         while True:
             try:
-                return await self._exchange(frame)
+                return await self._exchange(frame, limit)
             except ConnectionClosed as exc:
                 if not (self.extended and self.resume and self.token):
                     raise ConnectionLostError(f"Connection to {self._where()} lost: {exc}") from exc
@@ -290,6 +296,7 @@ class HTTPTransport:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = client or httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s)
         self._owns_client = client is None
         self.token: str | None = None
@@ -324,7 +331,15 @@ class HTTPTransport:
                 response = await self._client.post("/reset", json=data or {}, headers=headers)
                 return {"type": "observation", "data": self._decode(response)}
             if kind == "step":
-                response = await self._client.post("/step", json={"action": data}, headers=headers)
+                # A step that declares its own timeout_s may take that long (deadlines).
+                timeout: Any = httpx.USE_CLIENT_DEFAULT
+                if declared_timeout(data) is not None:
+                    timeout = httpx.Timeout(
+                        self.timeout_s, read=call_deadline(self.timeout_s, data)
+                    )
+                response = await self._client.post(
+                    "/step", json={"action": data}, headers=headers, timeout=timeout
+                )
                 return {"type": "observation", "data": self._decode(response)}
             if kind == "state":
                 response = await self._client.get("/state", headers=headers)

@@ -60,6 +60,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from envport.client import EnvClient
+from envport.deadlines import GRACE_S, declared_timeout
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
 from envport.procs import owner_alive, start_time
@@ -269,6 +270,8 @@ class _Monitor:
         self.last = time.monotonic()
         self.busy = 0
         self.progress = 0
+        # A call in flight that declared its timeout_s is no hang before this time.
+        self.quiet_until = 0.0
 
     def beat(self) -> None:
         self.last = time.monotonic()
@@ -296,13 +299,21 @@ class _BeatingTransport:
             self.monitor.beat()
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
-        self.monitor.busy += 1
+        monitor = self.monitor
+        if frame.get("type") == "step":
+            declared = declared_timeout(frame.get("data"))
+            if declared is not None:  # a long command is not a hung environment
+                until = time.monotonic() + declared + GRACE_S
+                monitor.quiet_until = max(monitor.quiet_until, until)
+        monitor.busy += 1
         try:
             reply: dict[str, Any] = await self.inner.request(frame)
             return reply
         finally:
-            self.monitor.busy -= 1
-            self.monitor.beat()
+            monitor.busy -= 1
+            if monitor.busy == 0:
+                monitor.quiet_until = 0.0
+            monitor.beat()
 
     async def close(self) -> None:
         await self.inner.close()
@@ -1004,7 +1015,8 @@ class Controller:
         f.monitor.poll(f.trace)
         if now - start >= deadline_s:
             return TimeoutError(f"{stage} exceeded its deadline")
-        if hang_s is not None and now - f.monitor.last >= hang_s:
+        quiet = f.monitor.busy > 0 and now < f.monitor.quiet_until
+        if hang_s is not None and now - f.monitor.last >= hang_s and not quiet:
             if f.monitor.busy > 0:
                 return _Hang(
                     f"no heartbeat for {hang_s:g} s while the environment was answering "

@@ -1,0 +1,50 @@
+"""Calls that declare how long they may take.
+
+An action (or a tool call's arguments) with a numeric ``timeout_s`` says how long the
+environment may work on it: a shell command running a test suite for ten minutes is not
+a hung environment. Every layer that puts a deadline on one call honours it (the
+session's call deadline, a client transport's reply wait, the rollout controller's hang
+watchdog): the deadline for that call becomes ``timeout_s`` plus :data:`GRACE_S`, when
+that is longer than the layer's own. The environment enforces ``timeout_s`` itself (it
+kills the command), so the extended deadline is only the backstop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+#: Seconds past a call's declared ``timeout_s`` before a layer gives up on it: time for
+#: the environment to kill the command and answer.
+GRACE_S = 10.0
+
+#: The longest a call may declare (one day); a larger value counts as this.
+MAX_DECLARED_S = 86_400.0
+
+
+def declared_timeout(payload: Any) -> float | None:
+    """The ``timeout_s`` a step declares (the action's own, or a tool call's
+    ``arguments``), if it is a positive finite number; else None."""
+    value: Any = None
+    if type(payload) is dict or isinstance(payload, Mapping):
+        value = payload.get("timeout_s")
+        arguments = payload.get("arguments")
+        if value is None and isinstance(arguments, Mapping):
+            value = arguments.get("timeout_s")
+    else:
+        value = getattr(payload, "timeout_s", None)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value <= 0:
+        return None
+    return min(float(value), MAX_DECLARED_S)
+
+
+def call_deadline(base_s: float | None, payload: Any) -> float | None:
+    """The deadline for one call: ``base_s``, or longer when the call declares more
+    (``timeout_s + GRACE_S``). None (no deadline) stays None."""
+    if base_s is None:
+        return None
+    declared = declared_timeout(payload)
+    return base_s if declared is None else max(base_s, declared + GRACE_S)
