@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,13 @@ async def test_model_garbage_and_errors(
         assert "Injected fault" in failed.metadata["body"]
     elif fault == "garbage":
         assert failed.metadata["body"]  # the unusable answer, kept
+    from rich.console import Console
+
+    from envport.report import transcript
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(transcript(bad))
+    assert "model call failed" in console.export_text()
 
 
 async def test_unknown_env_and_crashing_env_do_not_stop_the_batch(
@@ -267,6 +275,23 @@ def test_cli_eval_and_traces(tmp_path: Path) -> None:
     assert "completion ids [" in shown.stdout
     assert "logprobs [" in shown.stdout
     assert "What is" in shown.stdout
+    every = envport_cli(
+        "traces",
+        "show",
+        trace_id,
+        "--tokens",
+        "--store",
+        str(db),
+        env=WIDE,
+        timeout=60,
+        check=True,
+    )
+    call = SQLiteTraceStore(db).get(trace_id).model_calls[0]
+    assert call.prompt_token_ids is not None
+    start = "prompt ids [" + ", ".join(map(str, call.prompt_token_ids[:4]))
+    assert start in every.stdout  # the prompt's ids themselves, not only their count
+    assert start not in shown.stdout
+    assert "choice 0 logprobs [" in every.stdout
     out = tmp_path / "export.jsonl"
     envport_cli("traces", "export", str(out), "--store", str(db), timeout=60, check=True)
     assert len(out.read_text().splitlines()) == 10

@@ -324,6 +324,9 @@ def traces_show(
     trace_id: Annotated[str, typer.Argument(show_default=False)],
     store: StoreOpt = DEFAULT_STORE,
     as_json: Annotated[bool, typer.Option("--json", help="The raw trace as JSON.")] = False,
+    tokens: Annotated[
+        bool, typer.Option("--tokens", help="Every token id and logprob of every model call.")
+    ] = False,
 ) -> None:
     """One trace as a readable transcript, model calls with token ids included."""
     from envport.report import transcript
@@ -340,7 +343,7 @@ def traces_show(
     if as_json:
         out.print_json(trace.to_json())
     else:
-        out.print(transcript(trace))
+        out.print(transcript(trace, all_tokens=tokens))
 
 
 EXPORT_FORMATS = ("trace", "rows", "prime-rl", "art")

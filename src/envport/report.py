@@ -62,6 +62,15 @@ def traces_table(traces: list[Trace]) -> Table:
     return table
 
 
+def _all_tokens(call: ModelCall) -> Text:
+    """Every token id (prompt, then each choice's completion) and logprob of a call."""
+    lines = [f"prompt ids {call.prompt_token_ids}"]
+    for choice in call.choices:
+        lines.append(f"choice {choice.index} completion ids {choice.completion_token_ids}")
+        lines.append(f"choice {choice.index} logprobs {choice.completion_logprobs}")
+    return Text("\n".join(lines), style="dim")
+
+
 def _tokens_line(call: ModelCall) -> Text:
     choice = call.choices[0] if call.choices else None
     ids = choice.completion_token_ids if choice else None
@@ -92,8 +101,9 @@ def _content(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def transcript(trace: Trace) -> RenderableType:
-    """The whole run: header, each message (with its model call's tokens), steps, scores."""
+def transcript(trace: Trace, *, all_tokens: bool = False) -> RenderableType:
+    """The whole run: header, each message (with its model call's tokens), steps, scores;
+    failed model calls; with ``all_tokens`` every token id and logprob of every call."""
     header = Table.grid(padding=(0, 2))
     header.add_column(style="bold")
     header.add_column()
@@ -119,6 +129,8 @@ def transcript(trace: Trace) -> RenderableType:
         call = calls.get(message.model_call_id or "")
         if call is not None:
             body.append(_tokens_line(call))
+            if all_tokens:
+                body.append(_all_tokens(call))
         parts.append(
             Panel(
                 Group(*body),
@@ -140,6 +152,10 @@ def transcript(trace: Trace) -> RenderableType:
         for r in trace.rewards:
             scores.add_row(r.name, _fmt(r.value), f"{r.weight:g}", r.reason or "")
         parts.append(scores)
+    for call in trace.model_calls:
+        if call.error is not None:  # a call that failed: no message came of it
+            took = f" after {call.latency_s * 1000:.1f} ms" if call.latency_s is not None else ""
+            parts.append(Text(f"✗ model call failed{took}: {call.error.message}", style="red"))
     for error in trace.errors:
         parts.append(Text(f"✗ {error.kind.value} at {error.where}: {error.message}", style="red"))
     return Group(*parts)
