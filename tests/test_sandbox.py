@@ -184,6 +184,30 @@ async def test_memory_hog_is_oom_killed_and_reported(runtime: Path) -> None:
 
 
 @needs_isolation
+async def test_a_cpu_limit_throttles_a_busy_loop(runtime: Path) -> None:
+    """cpus=0.2: the group's CFS quota is a fifth of its period, and a loop spinning for a
+    second of wall time gets about a fifth of a second of CPU (it would get up to a whole
+    second unthrottled)."""
+    async with await Sandbox.create(cfg(runtime, cpus=0.2)) as sb:
+        group = sb._res.cgroup
+        assert group is not None
+        cpu_dir = group.dirs["cpu"]
+        quota = int((cpu_dir / "cpu.cfs_quota_us").read_text())
+        period = int((cpu_dir / "cpu.cfs_period_us").read_text())
+        assert quota / period == pytest.approx(0.2)
+        spin = (
+            "python3 -c 'import os, time\n"
+            "t = time.monotonic()\n"
+            "while time.monotonic() - t < 1.5: pass\n"
+            "c = os.times()\n"
+            "print(c.user + c.system)'"
+        )
+        result = await sb.exec(spin, timeout_s=20)
+        assert result.exit_code == 0, result.stderr
+        assert float(result.stdout) < 0.75  # ~0.3 s: 0.2 CPU over 1.5 s, plus one period
+
+
+@needs_isolation
 async def test_disk_fill_gets_enospc(runtime: Path) -> None:
     async with await Sandbox.create(cfg(runtime, disk_mb=4, tmp_mb=2)) as sb:
         result = await sb.exec("dd if=/dev/zero of=big bs=1M count=16")

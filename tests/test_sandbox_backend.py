@@ -46,6 +46,12 @@ async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None
         assert instance.start_latency_s is not None
         assert await backend.healthy(instance)
         assert await echo(instance, "hi") == "hi"
+        # The launch's limits are the instance's cgroup's.
+        groups = {c: list(d.glob(f"envport-{os.getpid()}-*")) for c, d in own_cgroups().items()}
+        (memory,) = groups["memory"]
+        assert int((memory / "memory.limit_in_bytes").read_text()) == 512 * 1024 * 1024
+        (pids,) = groups["pids"]
+        assert (pids / "pids.max").read_text().strip() == "64"
         assert await backend.list({"run": "r1"}) == [instance]
         assert await backend.list({"run": "other"}) == []
         await backend.stop(instance)
