@@ -128,3 +128,42 @@ def test_ctrl_c_stops_every_server_and_says_how_to_resume(tmp_path: Path) -> Non
     with SQLiteTraceStore(db) as store:
         assert store.count(run_id="kr", status="completed") == 0
         assert {r.state for r in store.rollouts(run_id="kr")} <= {"pending"}
+
+
+def test_the_live_display_counts_rollouts_by_state_and_env_start_latency() -> None:
+    import io
+
+    from rich.console import Console
+
+    from envport.cli_rollout import LiveCounts
+    from envport.rollout import RolloutEvent, RolloutState
+    from envport.trace import Trace, TraceStatus
+
+    live = LiveCounts(total=5)
+    events = [
+        RolloutEvent(rollout_id="a", state=RolloutState.RUNNING, attempt=1, env_start_s=0.2),
+        RolloutEvent(rollout_id="b", state=RolloutState.RUNNING, attempt=2, env_start_s=0.4),
+        RolloutEvent(
+            rollout_id="c",
+            state=RolloutState.SUCCEEDED,
+            attempt=1,
+            trace=Trace(status=TraceStatus.COMPLETED, reward=1.0),
+        ),
+        RolloutEvent(rollout_id="d", state=RolloutState.FAILED, attempt=3),
+    ]
+    for event in events:
+        live.update(event)
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(live)
+    text = console.export_text()
+    for shown in (
+        "2/5 done",
+        "1 running",
+        "1 retrying",
+        "1 succeeded",
+        "1 failed",
+        "1 pending",
+        "p50 0.40 s",
+        "2 started",
+    ):
+        assert shown in text, text
