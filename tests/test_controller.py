@@ -581,3 +581,47 @@ async def test_a_scoring_past_its_deadline_fails_as_the_rubric_s_and_is_not_retr
     assert "scoring exceeded its deadline" in trace.errors[0].message
     assert trace.reward is None
     assert db(store).get_rollout("r/slow/0").attempts == 1  # a rubric error: not retried
+
+
+def test_limits_labels_round_trip_and_are_kubernetes_label_values() -> None:
+    import re
+
+    from envport.rollout.controller import limits_label, parse_limits_label
+
+    for limits in (
+        Limits(),
+        Limits(cpus=0.5),
+        Limits(cpus=2, memory_mb=1024, pids=64, disk_mb=100),
+        Limits(memory_mb=256),
+    ):
+        label = limits_label(limits)
+        assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", label), label
+        assert parse_limits_label(label) == limits
+    assert parse_limits_label("") is None
+    assert parse_limits_label("x9") is None
+
+
+async def test_a_restarted_controller_puts_adopted_instances_back_in_their_limits_pool(
+    store: AsyncTraceStore,
+) -> None:
+    """Instances a previous controller of the run started for a task with its own
+    resources are adopted into that shape's pool, not the env type's default one."""
+    from envport.rollout.controller import LIMITS_LABEL, RUN_LABEL, limits_label
+
+    backend = InProcessBackend()
+    big = Limits(pids=64, memory_mb=1024)
+    labels = {RUN_LABEL: "r", LIMITS_LABEL: limits_label(big)}
+    left = await backend.start(EnvLaunch(env_id=FAULTY, labels=labels, limits=big))
+    plain = await backend.start(EnvLaunch(env_id=FAULTY, labels={RUN_LABEL: "r"}))
+    config = ControllerConfig(env_limits={FAULTY: Limits(pids=64)}, **FAST)
+    task_big = task("big", ["hi"], resources=Resources(memory_mb=1024))
+    async with Controller(store, backend, ScriptHarness(), config, run_id="r") as ctl:
+        assert ctl.adopted == 2
+        pools = ctl.pools()
+        shaped = ctl._pool(FAULTY, task_big)
+        assert shaped.launch.limits == big
+        assert shaped.stats().instances == 1
+        assert left.instance_id in shaped._slots
+        assert plain.instance_id in pools[FAULTY]._slots  # no label: the default pool
+        (result,) = await ctl.collect([RolloutSpec(task_big)])
+        assert result.trace.metadata["instance_id"] == left.instance_id  # reused

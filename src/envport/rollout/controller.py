@@ -77,6 +77,32 @@ _T = TypeVar("_T")
 
 #: Label a controller puts on every instance it starts; it re-adopts by it.
 RUN_LABEL = "envport-run"
+#: The limits an instance was started with (:func:`limits_label`): a restarted
+#: controller puts it back in the pool of that shape.
+LIMITS_LABEL = "envport-limits"
+
+_LIMIT_KEYS = (("c", "cpus"), ("m", "memory_mb"), ("p", "pids"), ("d", "disk_mb"))
+
+
+def limits_label(limits: Limits) -> str:
+    """``limits`` as a label value (``c2-m1024``; ``none``): Kubernetes' label rules."""
+    parts = [f"{k}{getattr(limits, f):g}" for k, f in _LIMIT_KEYS if getattr(limits, f)]
+    return "-".join(parts) or "none"
+
+
+def parse_limits_label(value: str) -> Limits | None:
+    """The :class:`Limits` a :func:`limits_label` names; None if it is not one."""
+    if value == "none":
+        return Limits()
+    fields: dict[str, float] = {}
+    names = dict(_LIMIT_KEYS)
+    try:
+        for part in value.split("-"):
+            fields[names[part[:1]]] = float(part[1:])
+        return Limits.model_validate({k: v if k == "cpus" else int(v) for k, v in fields.items()})
+    except (KeyError, ValueError):
+        return None
+
 
 #: Controllers alive in this process: their in-flight rollouts are not stale.
 _LIVE: set[str] = set()
@@ -493,11 +519,13 @@ class Controller:
                 state=RolloutState.PENDING.value,
                 controller=self.controller_id,
             )
-        by_env: dict[str, list[EnvInstance]] = {}
+        by_shape: dict[tuple[str, Limits | None], list[EnvInstance]] = {}
         for instance in await self.backend.list({RUN_LABEL: self.run_id}):
-            by_env.setdefault(instance.env_id, []).append(instance)
-        for env_id, instances in by_env.items():
-            self.adopted += self._pool(env_id).adopt(instances)
+            shape = parse_limits_label(instance.labels.get(LIMITS_LABEL, ""))
+            by_shape.setdefault((instance.env_id, shape), []).append(instance)
+        for (env_id, limits), instances in by_shape.items():
+            pool = self._pool(env_id) if limits is None else self._pool_with(env_id, limits)
+            self.adopted += pool.adopt(instances)
 
     def _has_run(self) -> bool:
         return any(r.run_id == self.run_id for r in self._db.list_runs())
@@ -525,7 +553,10 @@ class Controller:
 
     def _pool(self, env_id: str, task: Task | None = None) -> EnvPool:
         """The pool for instances of ``env_id`` with ``task``'s limits (one per shape)."""
-        limits = self._limits(env_id, task)
+        return self._pool_with(env_id, self._limits(env_id, task))
+
+    def _pool_with(self, env_id: str, limits: Limits) -> EnvPool:
+        """The pool for instances of ``env_id`` started with ``limits``."""
         key = (
             env_id
             if limits == self.config.env_limits.get(env_id, Limits())
@@ -540,7 +571,7 @@ class Controller:
                 options=cfg.env_options.get(env_id, {}),
                 sessions=cfg.sessions_per_instance,
                 limits=limits,
-                labels={RUN_LABEL: self.run_id},
+                labels={RUN_LABEL: self.run_id, LIMITS_LABEL: limits_label(limits)},
                 start_timeout_s=cfg.env_start_timeout_s,
             )
             pool = EnvPool(
