@@ -308,6 +308,33 @@ async def test_request_ids_and_resume(echo_url: str) -> None:
         assert err["data"]["code"] == "SESSION_NOT_FOUND"
 
 
+async def test_a_step_resent_while_it_still_runs_is_applied_once() -> None:
+    """The connection drops during a slow step; the client resumes and resends the frame
+    with the same id while the first one is still running: the resend waits for it and
+    gets its reply, and the environment stepped once. A resent failed step gets its error
+    again, without stepping again."""
+    with run_env_server("tests.support.faulty_envs:FaultyEnv", mcp=False) as (url, _):
+        async with connect(ws_url(url)) as ws:
+            token = (await ask(ws, {"type": "hello"}))["data"]["token"]
+            await ask(ws, {"type": "reset", "id": 1})
+            await ws.send(json.dumps({"type": "step", "id": 2, "data": {"message": "sleep:1"}}))
+            await asyncio.sleep(0.2)  # the step is running; the connection drops
+        async with connect(ws_url(url)) as ws:
+            resumed = await ask(ws, {"type": "hello", "data": {"resume": token}})
+            assert resumed["data"]["resumed"] is True
+            again = await ask(ws, {"type": "step", "id": 2, "data": {"message": "sleep:1"}})
+            assert again["id"] == 2
+            assert again["type"] == "observation"
+            state = await ask(ws, {"type": "state", "id": 3})
+            assert state["data"]["step_count"] == 1  # once, not twice
+            failed = await ask(ws, {"type": "step", "id": 4, "data": {"message": "crash"}})
+            assert failed["type"] == "error"
+            resent = await ask(ws, {"type": "step", "id": 4, "data": {"message": "crash"}})
+            assert resent == failed
+            state = await ask(ws, {"type": "state", "id": 5})
+            assert state["data"]["step_count"] == 2
+
+
 async def test_batch_steps_many_sessions_in_one_frame(echo_url: str) -> None:
     async with connect(ws_url(echo_url)) as ws:
         await ask(ws, {"type": "hello"})

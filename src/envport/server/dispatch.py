@@ -97,14 +97,7 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
             if session is None or session.closed:
                 session = await conn.primary_session()
             if conn.extended and frame_id is not None:
-                # A client that resumed after a dropped connection resends its last frame
-                # with the same id; answer from the cache: the step is applied once.
-                cached = session.last_reply
-                if cached is not None and cached[0] == frame_id:
-                    reply = dict(cached[1])
-                else:
-                    reply = await run_op(session, kind, data, extended=True)
-                    session.last_reply = (frame_id, reply)
+                reply = await _once(session, frame_id, kind, data)
             elif kind == "step" and data is not None:  # run_op's step, one frame less
                 result = await session.step(data)
                 reply = {"type": "observation", "data": result.to_wire(extended=conn.extended)}
@@ -115,6 +108,43 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
     except Exception as exc:  # an env bug that escaped classification: still an answer
         return error_frame(EnvExecutionError(f"{type(exc).__name__}: {exc}"), frame_id)
     return _with_id(reply, frame_id)
+
+
+async def _once(session: Session, frame_id: Any, kind: str, data: Any) -> dict[str, Any]:
+    """Run a frame of an extended client, applied once however often it is resent.
+
+    A client that resumed after a dropped connection resends its last frame with the
+    same id. If that frame's reply is known, it is the answer; if the frame is still
+    running (the connection dropped during a slow step), the resend waits for it. Error
+    replies count as replies: the resend of a step that failed does not step again."""
+    cached = session.last_reply
+    if cached is not None and cached[0] == frame_id:
+        known = cached[1]
+        if isinstance(known, asyncio.Future):
+            known = await asyncio.shield(known)
+        return dict(known)
+    pending: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    session.last_reply = (frame_id, pending)
+    try:
+        reply = await run_op(session, kind, data, extended=True)
+    except EnvportError as exc:
+        reply = error_frame(exc)
+    except Exception as exc:  # an env bug that escaped classification: still an answer
+        reply = error_frame(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
+    except BaseException:
+        # Cancelled (the server is shutting down): its outcome is unknown; a resend is
+        # told so rather than stepping again.
+        if not pending.done():
+            pending.set_result(
+                error_frame(
+                    EnvExecutionError("The request was interrupted; its outcome is unknown.")
+                )
+            )
+        raise
+    pending.set_result(reply)
+    if session.last_reply is not None and session.last_reply[0] == frame_id:
+        session.last_reply = (frame_id, reply)
+    return dict(reply)
 
 
 async def _connection_frame(conn: Connection, kind: str, data: Any) -> dict[str, Any]:
