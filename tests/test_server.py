@@ -335,6 +335,51 @@ async def test_a_step_resent_while_it_still_runs_is_applied_once() -> None:
             assert state["data"]["step_count"] == 2
 
 
+async def test_replies_that_cannot_be_json_and_bad_reset_options_get_clear_errors() -> None:
+    """An environment that puts a set in its info, a seed that is not an integer, an
+    episode id that is not a string: an error reply each (WebSocket frame, HTTP status),
+    and the session goes on."""
+    with run_env_server("tests.support.faulty_envs:FaultyEnv", mcp=False) as (url, _):
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "hello"})
+            bad_seed = await ask(ws, {"type": "reset", "id": 1, "data": {"seed": [1]}})
+            assert bad_seed["data"]["code"] == "VALIDATION_ERROR"
+            assert "seed" in bad_seed["data"]["message"]
+            bad_id = await ask(ws, {"type": "reset", "id": 2, "data": {"episode_id": 7}})
+            assert bad_id["data"]["code"] == "VALIDATION_ERROR"
+            await ask(ws, {"type": "reset", "id": 3})
+            reply = await ask(ws, {"type": "step", "id": 4, "data": {"message": "unserialisable"}})
+            assert reply["type"] == "error"
+            assert reply["id"] == 4
+            assert "could not be sent as JSON" in reply["data"]["message"]
+            fine = await ask(ws, {"type": "step", "id": 5, "data": {"message": "hi"}})
+            assert fine["data"]["observation"]["echoed_message"] == "hi"  # still connected
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.post("/reset", json={"seed": "one"})
+            assert r.status_code == 422
+            assert r.json()["error"]["code"] == "VALIDATION_ERROR"
+            headers = {"X-Envport-Session": (await http.post("/sessions")).json()["token"]}
+            await http.post("/reset", json={}, headers=headers)
+            r = await http.post(
+                "/step", json={"action": {"message": "unserialisable"}}, headers=headers
+            )
+            assert r.status_code == 500
+            assert r.json()["error"]["code"] == "EXECUTION_ERROR"
+            r = await http.post("/step", json={"action": {"message": "ok"}}, headers=headers)
+            assert r.status_code == 200
+
+
+async def test_a_frame_over_the_limit_in_bytes_is_refused_though_its_characters_fit() -> None:
+    from envport.errors import PayloadTooLargeError
+    from envport.protocol.codec import decode_frame
+
+    frame = json.dumps({"type": "step", "data": {"message": "é" * 600}}, ensure_ascii=False)
+    assert len(frame) < 1024 < len(frame.encode())
+    with pytest.raises(PayloadTooLargeError):
+        decode_frame(frame, 1024)
+    assert decode_frame(frame, 4096)["type"] == "step"
+
+
 async def test_batch_steps_many_sessions_in_one_frame(echo_url: str) -> None:
     async with connect(ws_url(echo_url)) as ws:
         await ask(ws, {"type": "hello"})

@@ -118,6 +118,16 @@ class Env(Generic[ActT, ObsT]):
         self, seed: int | None = None, episode_id: str | None = None, **options: Any
     ) -> StepResult[ObsT]:
         self._check_open()
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ActionValidationError(
+                f"seed must be an integer or null, not {type(seed).__name__} {seed!r}.",
+                errors=[{"field": "seed", "message": "must be an integer or null"}],
+            )
+        if episode_id is not None and not isinstance(episode_id, str):
+            raise ActionValidationError(
+                f"episode_id must be a string or null, not {type(episode_id).__name__}.",
+                errors=[{"field": "episode_id", "message": "must be a string or null"}],
+            )
         self.episode_id = episode_id or uuid.uuid4().hex
         self.step_count = 0
         self.rng = random.Random(seed)

@@ -61,6 +61,8 @@ class FaultyEnv(Env[EchoAction, EchoObservation]):
             raise SandboxFailure("the sandbox's shell died; it was restarted")
         if action.message.startswith("sleep:"):
             await asyncio.sleep(float(action.message.split(":", 1)[1]))
+        if action.message == "unserialisable":  # a set has no JSON form
+            return StepResult(observation=EchoObservation(echoed_message="x"), info={"ids": {1}})
         return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)
 
     async def on_close(self) -> None:

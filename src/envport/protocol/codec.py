@@ -6,7 +6,13 @@ from typing import Any
 
 import orjson
 
-from envport.errors import EnvportError, InvalidJSONError, PayloadTooLargeError, ProtocolError
+from envport.errors import (
+    EnvExecutionError,
+    EnvportError,
+    InvalidJSONError,
+    PayloadTooLargeError,
+    ProtocolError,
+)
 
 #: Client frame types a server understands.
 FRAME_TYPES = frozenset(
@@ -15,14 +21,26 @@ FRAME_TYPES = frozenset(
 
 
 def encode(frame: dict[str, Any]) -> bytes:
-    return orjson.dumps(frame)
+    """The frame as JSON; a reply that is not JSON-serialisable (an environment put a set
+    or an arbitrary object in its ``info``) becomes an error reply, never a dropped
+    connection."""
+    try:
+        return orjson.dumps(frame)
+    except orjson.JSONEncodeError as exc:
+        error = EnvExecutionError(
+            f"The environment's {frame.get('type', 'reply')} could not be sent as JSON: {exc}."
+        )
+        return orjson.dumps(error_frame(error, frame.get("id")))
 
 
 def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
     """Parse one client frame or raise the protocol error that describes it."""
-    if len(raw) > max_bytes:
+    size = len(raw)
+    if type(raw) is str and size * 4 > max_bytes:  # characters, not bytes: count them
+        size = len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
         raise PayloadTooLargeError(
-            f"Frame of {len(raw)} bytes exceeds the limit of {max_bytes} bytes.",
+            f"Frame of {size} bytes exceeds the limit of {max_bytes} bytes.",
             limit_bytes=max_bytes,
         )
     try:

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from envport.errors import (
     HTTP_STATUS,
     ActionValidationError,
+    EnvExecutionError,
     EnvportError,
     InvalidJSONError,
     PayloadTooLargeError,
@@ -27,6 +28,15 @@ from envport.server.sessions import SessionManager
 from envport.session import Session
 
 SESSION_HEADER = "x-envport-session"
+
+
+def _json(data: Any) -> Response:
+    """A reply; one that is not JSON-serialisable (a set in an environment's ``info``)
+    becomes a 500 with an error body, as every other failure does."""
+    try:
+        return ORJSONResponse(data)
+    except TypeError as exc:
+        return error_response(EnvExecutionError(f"The reply could not be sent as JSON: {exc}"))
 
 
 class ORJSONResponse(JSONResponse):
@@ -104,7 +114,9 @@ async def reset(request: Request) -> Response:
             data = _reply(result.to_wire(extended=stateful), body, session, stateful)
     except EnvportError as exc:
         return error_response(exc)
-    return ORJSONResponse(data)
+    except Exception as exc:  # an env bug that escaped classification: still an answer
+        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
+    return _json(data)
 
 
 async def step(request: Request) -> Response:
@@ -122,7 +134,9 @@ async def step(request: Request) -> Response:
             data = _reply(result.to_wire(extended=stateful), body, session, stateful)
     except EnvportError as exc:
         return error_response(exc)
-    return ORJSONResponse(data)
+    except Exception as exc:  # an env bug that escaped classification: still an answer
+        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
+    return _json(data)
 
 
 async def state(request: Request) -> Response:
@@ -134,7 +148,9 @@ async def state(request: Request) -> Response:
                 data = (await session.state()).model_dump(mode="json")
     except EnvportError as exc:
         return error_response(exc)
-    return ORJSONResponse(data)
+    except Exception as exc:  # an env bug that escaped classification: still an answer
+        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
+    return _json(data)
 
 
 async def create_session(request: Request) -> Response:
