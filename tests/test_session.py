@@ -147,3 +147,33 @@ async def test_a_caller_cancelled_just_as_it_is_handed_the_turn_passes_it_on() -
     assert turns.busy
     turns.release()
     assert not turns.busy
+
+
+async def test_a_queued_creation_that_fails_passes_its_slot_to_the_next_in_line() -> None:
+    """Two requests wait for the one slot; the first one woken fails to make its
+    environment (an envport error from the factory): the second still gets the slot,
+    instead of waiting out its queue timeout."""
+    import envport
+    from envport.errors import EnvFactoryError
+    from envport.server.sessions import ServerConfig, SessionManager
+
+    made = 0
+
+    def factory() -> Any:
+        nonlocal made
+        made += 1
+        if made == 2:
+            raise EnvFactoryError("the second environment cannot be made")
+        return envport.make("echo-v1")
+
+    manager = SessionManager(factory, ServerConfig(max_sessions=1, queue_timeout_s=5))
+    first = await manager.create()
+    failing = asyncio.create_task(manager.create())
+    waiting = asyncio.create_task(manager.create())
+    await asyncio.sleep(0.05)
+    await manager.close(first)  # the slot frees: the first waiter fails to use it
+    with pytest.raises(EnvFactoryError):
+        await failing
+    second = await asyncio.wait_for(waiting, 2)  # woken at once, not after 5 s
+    assert manager.active == 1
+    await manager.close(second)

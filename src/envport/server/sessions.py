@@ -67,6 +67,7 @@ class SessionManager:
         try:
             session = Session(self.factory, call_timeout_s=self.config.call_timeout_s)
         except EnvportError:
+            self._release_slot()  # the slot it was woken for goes to the next in line
             raise
         except Exception as exc:
             self._release_slot()
@@ -87,8 +88,12 @@ class SessionManager:
         try:
             async with asyncio.timeout(cfg.queue_timeout_s):  # wait_for (3.11) may drop a cancel
                 await asyncio.shield(waiter)
-        except TimeoutError:
-            raise CapacityError(self.active, cfg.max_sessions, self._retry_hint()) from None
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # woken just as it gave up: wake the next in line
+            if isinstance(exc, TimeoutError):
+                raise CapacityError(self.active, cfg.max_sessions, self._retry_hint()) from None
+            raise
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
