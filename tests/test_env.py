@@ -135,6 +135,22 @@ async def test_time_limit_truncates() -> None:
     assert (await env.step({"by": 1})).truncated
 
 
+async def test_a_wrapped_environment_describes_what_it_wraps() -> None:
+    """/schema and /metadata of a served TimeLimit(...) are the wrapped environment's."""
+    import httpx
+
+    from tests.support.servers import run_env_server
+
+    wrapped = TimeLimit(SyncCounter(), max_steps=2)
+    assert wrapped.schemas() == SyncCounter.schemas()
+    assert wrapped.metadata().name == "SyncCounter"
+    with run_env_server(lambda: TimeLimit(SyncCounter(), max_steps=2), mcp=False) as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http:
+            schema = (await http.get("/schema")).json()
+            assert schema["action"] == SyncCounter.action_type.model_json_schema()
+            assert (await http.get("/metadata")).json()["name"] == "SyncCounter"
+
+
 def test_registry_versions_paths_and_suggestions() -> None:
     envport.register("counter-v1", SyncCounter)
     envport.register("counter-v2", SyncCounter, fail_at=5)

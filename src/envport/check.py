@@ -583,7 +583,7 @@ class _Checker:
         return "action, observation and state types are pydantic models"
 
     async def check_schemas(self) -> str:
-        for role, schema in type(self.live).schemas().items():
+        for role, schema in self.live.schemas().items():
             problem = _schema_errors(schema)
             if problem:
                 raise _Fail(f"{role} JSON Schema is invalid: {problem}")

@@ -348,6 +348,14 @@ class Wrapper(Env[ActT, ObsT]):
     async def close(self) -> None:
         await self.env.close()
 
+    # What it describes is the wrapped environment's (its types and name), not this
+    # class's: called on an instance, as the server and ``envport check`` do.
+    def metadata(self) -> EnvMetadata:  # type: ignore[override]
+        return self.env.metadata()
+
+    def schemas(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.env.schemas()
+
     def tools(self) -> dict[str, BoundTool]:
         return self.env.tools()
 

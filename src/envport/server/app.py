@@ -34,8 +34,7 @@ def create_app(
     factory, env_name = resolve(env)
     manager = SessionManager(factory, config)
     probe = factory()
-    env_cls = type(probe)
-    meta: EnvMetadata = env_cls.metadata()
+    meta: EnvMetadata = probe.metadata()  # a wrapper's: what it wraps
     meta.tools = [t.name for t in probe.tool_specs()]
     endpoint = None
     if mcp:
@@ -76,7 +75,7 @@ def create_app(
     app.state.manager = manager
     app.state.metadata = meta
     app.state.schemas = {
-        **env_cls.schemas(),
+        **probe.schemas(),
         "tools": [t.model_dump() for t in probe.tool_specs()],
     }
     app.state.env_name = env_name
