@@ -72,6 +72,7 @@ class SyncCounter(Env[Count, Total]):
             note: Free text.
         """
         self.total += amount
+        self.threads.add(threading.current_thread().name)
         return self.total
 
 
@@ -126,6 +127,17 @@ async def test_tools_from_type_hints_and_docstrings() -> None:
     result = await env.step({"type": "call_tool", "tool_name": "add", "arguments": {"amount": "x"}})
     assert result.observation.error is not None
     assert result.observation.error.error_type == "invalid_args"
+
+
+async def test_a_sync_environment_s_hooks_and_tools_share_its_one_thread() -> None:
+    env = SyncCounter()
+    await env.reset()
+    await env.step({"by": 1})
+    await env.call_tool("add", {"amount": 2})
+    await env.step({"type": "call_tool", "tool_name": "add", "arguments": {"amount": 3}})
+    assert len(env.threads) == 1  # on_reset, on_step and the tool: the same worker
+    assert next(iter(env.threads)).startswith("envport-SyncCounter")
+    await env.close()
 
 
 async def test_time_limit_truncates() -> None:

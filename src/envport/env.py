@@ -235,7 +235,7 @@ class Env(Generic[ActT, ObsT]):
             known = ", ".join(sorted(self.tools())) or "(none)"
             raise ToolError(f"Unknown tool {name!r}. Tools: {known}.", kind="tool_not_found")
         try:
-            return to_jsonable(await bound.call(arguments or {}))
+            return to_jsonable(await bound.call(arguments or {}, self._in_thread))
         except EnvportError:
             raise
         except Exception as exc:
@@ -287,12 +287,7 @@ class Env(Generic[ActT, ObsT]):
         try:
             if _is_async_hook(hook):
                 return await cast("Awaitable[T]", hook(*args, **kwargs))
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"envport-{type(self).__name__}"
-                )
-            loop = asyncio.get_running_loop()
-            value = await loop.run_in_executor(self._executor, partial(hook, *args, **kwargs))
+            value = await self._in_thread(partial(hook, *args, **kwargs))
             if inspect.isawaitable(value):
                 return await cast("Awaitable[T]", value)
             return value
@@ -300,6 +295,15 @@ class Env(Generic[ActT, ObsT]):
             raise
         except Exception as exc:
             raise self._hook_error(exc) from exc
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the instance's own worker thread (one per instance: a synchronous
+        environment's hooks and tools see one thread, as thread-bound resources need)."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"envport-{type(self).__name__}"
+            )
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def _hook_error(self, exc: Exception) -> EnvExecutionError:
         return EnvExecutionError(

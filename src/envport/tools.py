@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -68,7 +69,14 @@ class BoundTool:
     params_model: type[BaseModel]
     method: Callable[..., Any]
 
-    async def call(self, arguments: dict[str, Any]) -> Any:
+    async def call(
+        self,
+        arguments: dict[str, Any],
+        in_thread: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+    ) -> Any:
+        """Validate ``arguments`` and call the tool. A plain ``def`` tool runs through
+        ``in_thread`` (the environment's own worker thread, where its hooks run), or in
+        asyncio's default pool without one."""
         try:
             validated = self.params_model.model_validate(arguments)
         except ValidationError as exc:
@@ -80,6 +88,8 @@ class BoundTool:
         kwargs = {field: getattr(validated, field) for field in self.params_model.model_fields}
         if inspect.iscoroutinefunction(self.method):
             return await self.method(**kwargs)
+        if in_thread is not None:
+            return await in_thread(partial(self.method, **kwargs))
         return await asyncio.to_thread(self.method, **kwargs)
 
 
