@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import httpx
 import orjson
 import pytest
 from openenv.core.generic_client import GenericEnvClient
@@ -368,3 +369,37 @@ async def test_cancel_during_resume_keeps_the_session(echo_url: str) -> None:
             assert count in (steps + 1, steps + 2)  # the cancelled step may have landed
             steps = count
         assert transport.session_id == session
+
+
+async def test_openenv_style_plain_jsonrpc_on_envports_mcp_route() -> None:
+    """OpenEnv's clients POST JSON-RPC to /mcp with no handshake and read a JSON answer:
+    envport answers them the same way (result ``data`` holding the raw value), on a
+    fresh environment, or on the session ``X-Envport-Session`` names (its tools token)."""
+    request = {
+        "jsonrpc": "2.0",
+        "method": "tools/call",
+        "params": {"name": "echo", "arguments": {"message": "x"}},
+        "id": 7,
+    }
+    with run_env_server("echo-v1") as (url, app):
+        async with httpx.AsyncClient(base_url=url, timeout=10.0) as http:
+            reply = (await http.post("/mcp", json=request)).json()
+            assert reply["id"] == 7
+            assert reply["result"]["data"] == "x"
+            listed = await http.post(
+                "/mcp", json={"jsonrpc": "2.0", "method": "tools/list", "id": 1}
+            )
+            assert {t["name"] for t in listed.json()["result"]["tools"]} == {"echo", "reverse"}
+            assert app.state.manager.active == 0  # each on a throwaway environment
+            created = (await http.post("/sessions")).json()
+            control = {"X-Envport-Session": created["token"]}
+            await http.post("/reset", json={}, headers=control)
+            agent = {"X-Envport-Session": created["tools_token"]}
+            reply = (await http.post("/mcp", json=request, headers=agent)).json()
+            assert reply["result"]["data"] == "x"
+            state = (await http.get("/state", headers=control)).json()
+            assert state["step_count"] == 1  # the session's own environment stepped
+            bad = (await http.post("/mcp", content=b"{nope")).json()
+            assert bad["error"]["code"] == -32700
+            unknown = await http.post("/mcp", json=request, headers={"X-Envport-Session": "x"})
+            assert unknown.json()["error"]["code"] == -32603

@@ -19,6 +19,11 @@ expiry). envport adds only the mapping from MCP sessions to envport sessions:
   (``tools_token``): it calls tools here and nothing else; the control token the
   trainer holds works here too. The endpoint never closes a shared session.
 
+* **Plain JSON-RPC.** A ``POST`` that accepts no event stream and names no MCP session
+  is OpenEnv's way: one JSON-RPC request, one JSON answer
+  (:func:`~envport.mcp.jsonrpc.handle_jsonrpc`, OpenEnv's result shapes), on the session
+  the header names or on a fresh environment for that request alone.
+
 Eras. ``ClientSession.initialize()`` (and ``Client(mode="legacy")``) speak the
 handshake protocol, where an MCP session spans many requests. The 2026-07-28 protocol
 has no sessions: a request pinned to it is its own connection, so without the header it
@@ -49,6 +54,7 @@ served without a trailing-slash redirect, and run the endpoint in the app's life
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -72,6 +78,7 @@ from envport.errors import (
     SessionNotFoundError,
     ToolError,
 )
+from envport.mcp.jsonrpc import handle_jsonrpc
 from envport.mcp.results import ToolOutcome, call_tool
 from envport.server.sessions import SessionManager
 from envport.session import Session, SessionStatus
@@ -138,7 +145,41 @@ class MCPEndpoint:
             )
             await response(scope, receive, send)
             return
+        if _plain_jsonrpc(scope):
+            await self._plain(scope, receive, send)
+            return
         await self._sdk.handle_request(scope, receive, send)
+
+    async def _plain(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """OpenEnv's plain JSON-RPC ``POST /mcp`` (no handshake, a JSON answer): one
+        request answered against the session ``X-Envport-Session`` names, or a fresh
+        environment for this request alone (OpenEnv's stateless HTTP)."""
+        request = Request(scope, receive)
+        body = await request.body()
+        if len(body) > self.manager.config.max_frame_bytes:
+            answer: dict[str, Any] = {
+                "jsonrpc": "2.0",
+                "id": None,
+                "error": {"code": -32600, "message": "Request too large.", "data": None},
+            }
+            await JSONResponse(answer, status_code=413)(scope, receive, send)
+            return
+        token = request.headers.get(SESSION_HEADER)
+        try:
+            if token:
+                answer = await handle_jsonrpc(self.manager.for_tools(token), body)
+            else:
+                session = await self.manager.create()
+                try:
+                    await session.reset()
+                    answer = await handle_jsonrpc(session, body)
+                finally:
+                    await self.manager.close(session)
+        except EnvportError as exc:
+            rpc_id = _request_id(body)
+            error = {"code": -32603, "message": exc.message, "data": exc.to_wire()}
+            answer = {"jsonrpc": "2.0", "id": rpc_id, "error": error}
+        await JSONResponse(answer)(scope, receive, send)
 
     # --- MCP handlers ------------------------------------------------------------------
 
@@ -212,6 +253,28 @@ class MCPEndpoint:
             await call
         except EnvportError as exc:
             raise MCPError(types.INTERNAL_ERROR, exc.message, exc.to_wire()) from exc
+
+
+def _plain_jsonrpc(scope: Scope) -> bool:
+    """A POST from a client that is no Streamable HTTP one: it does not accept an event
+    stream and names no MCP session (OpenEnv's clients post JSON-RPC this way)."""
+    if scope.get("method") != "POST":
+        return False
+    accept = b""
+    for name, value in scope.get("headers") or ():
+        if name == b"mcp-session-id":
+            return False
+        if name == b"accept":
+            accept += value
+    return b"text/event-stream" not in accept
+
+
+def _request_id(body: bytes) -> Any:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed.get("id") if isinstance(parsed, dict) else None
 
 
 class _EndpointApp:
