@@ -369,6 +369,27 @@ async def test_replies_that_cannot_be_json_and_bad_reset_options_get_clear_error
             assert r.status_code == 200
 
 
+async def test_http_statuses_for_a_crashing_a_hanging_and_a_closed_environment() -> None:
+    config = ServerConfig(call_timeout_s=0.3)
+    with run_env_server("tests.support.faulty_envs:FaultyEnv", config, mcp=False) as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http:
+            headers = {"X-Envport-Session": (await http.post("/sessions")).json()["token"]}
+            await http.post("/reset", json={}, headers=headers)
+            crash = await http.post("/step", json={"action": {"message": "crash"}}, headers=headers)
+            assert crash.status_code == 500
+            assert crash.json()["error"]["code"] == "EXECUTION_ERROR"
+            assert "boom" in crash.json()["error"]["message"]
+            hang = await http.post("/step", json={"action": {"message": "hang"}}, headers=headers)
+            assert hang.status_code == 504
+            assert hang.json()["error"]["code"] == "TIMEOUT"
+            after = await http.post("/step", json={"action": {"message": "x"}}, headers=headers)
+            assert after.status_code == 409  # discarded: reset() starts a fresh one
+            assert (await http.post("/reset", json={}, headers=headers)).status_code == 200
+            assert (await http.delete("/sessions", headers=headers)).status_code == 204
+            gone = await http.post("/step", json={"action": {"message": "x"}}, headers=headers)
+            assert gone.status_code == 404
+
+
 async def test_a_frame_over_the_limit_in_bytes_is_refused_though_its_characters_fit() -> None:
     from envport.errors import PayloadTooLargeError
     from envport.protocol.codec import decode_frame
