@@ -104,8 +104,9 @@ class Session:
         self.last_active = self.created_at
         self.attached = 0  # open connections using this session
         self.detached_at: float | None = None
-        # (frame id, reply), or the frame's future while it runs (server.dispatch._once)
-        self.last_reply: tuple[Any, Any] | None = None
+        # (frame id, reply); reply None while the frame runs (server.dispatch._once)
+        self.last_reply: tuple[Any, dict[str, Any] | None] | None = None
+        self.reply_waiters: list[tuple[Any, asyncio.Future[dict[str, Any]]]] = []
         self._turns = _Turns()
         self._abandoned: set[asyncio.Task[None]] = set()
 

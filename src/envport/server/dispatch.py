@@ -116,15 +116,17 @@ async def _once(session: Session, frame_id: Any, kind: str, data: Any) -> dict[s
     A client that resumed after a dropped connection resends its last frame with the
     same id. If that frame's reply is known, it is the answer; if the frame is still
     running (the connection dropped during a slow step), the resend waits for it. Error
-    replies count as replies: the resend of a step that failed does not step again."""
+    replies count as replies: the resend of a step that failed does not step again.
+    (No future per frame: a waiter is made only for a resend that has to wait.)"""
     cached = session.last_reply
     if cached is not None and cached[0] == frame_id:
         known = cached[1]
-        if isinstance(known, asyncio.Future):
-            known = await asyncio.shield(known)
+        if known is None:  # still running
+            waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            session.reply_waiters.append((frame_id, waiter))
+            known = await asyncio.shield(waiter)
         return dict(known)
-    pending: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-    session.last_reply = (frame_id, pending)
+    session.last_reply = (frame_id, None)
     try:
         reply = await run_op(session, kind, data, extended=True)
     except EnvportError as exc:
@@ -134,17 +136,24 @@ async def _once(session: Session, frame_id: Any, kind: str, data: Any) -> dict[s
     except BaseException:
         # Cancelled (the server is shutting down): its outcome is unknown; a resend is
         # told so rather than stepping again.
-        if not pending.done():
-            pending.set_result(
-                error_frame(
-                    EnvExecutionError("The request was interrupted; its outcome is unknown.")
-                )
-            )
+        unknown = EnvExecutionError("The request was interrupted; its outcome is unknown.")
+        _settle(session, frame_id, error_frame(unknown))
         raise
-    pending.set_result(reply)
+    _settle(session, frame_id, reply)
+    return reply
+
+
+def _settle(session: Session, frame_id: Any, reply: dict[str, Any]) -> None:
+    """Frame ``frame_id`` is answered: cache its reply, wake resends waiting for it."""
     if session.last_reply is not None and session.last_reply[0] == frame_id:
         session.last_reply = (frame_id, reply)
-    return dict(reply)
+    if session.reply_waiters:
+        waiting, session.reply_waiters = session.reply_waiters, []
+        for waited_id, waiter in waiting:
+            if waited_id != frame_id:
+                session.reply_waiters.append((waited_id, waiter))
+            elif not waiter.done():
+                waiter.set_result(reply)
 
 
 async def _connection_frame(conn: Connection, kind: str, data: Any) -> dict[str, Any]:
