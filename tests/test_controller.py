@@ -593,6 +593,8 @@ def test_limits_labels_round_trip_and_are_kubernetes_label_values() -> None:
         Limits(cpus=0.5),
         Limits(cpus=2, memory_mb=1024, pids=64, disk_mb=100),
         Limits(memory_mb=256),
+        Limits(disk_mb=1234567),  # no rounding, no exponent
+        Limits(cpus=1e-05),
     ):
         label = limits_label(limits)
         assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", label), label

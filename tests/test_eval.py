@@ -308,6 +308,9 @@ def test_cli_eval_and_traces(tmp_path: Path) -> None:
         assert bad.returncode == 2, bad.stderr
         assert says in bad.stderr
         assert "Traceback" not in bad.stderr
+    prefixed = envport_cli("eval", "hf:nowhere/tasks.jsonl", "--store", str(db), timeout=60)
+    assert prefixed.returncode == 2, prefixed.stderr  # not a local file: no lenient loading
+    assert "Traceback" not in prefixed.stderr
     # The newest traces, listed newest last.
     newest = SQLiteTraceStore(db).query(run_id="cli", limit=1, descending=True)[0]
     listed = envport_cli(

@@ -272,6 +272,28 @@ async def test_not_running_answers_503() -> None:
     assert "not running" in response.json()["message"]
 
 
+async def test_with_host_checks_on_a_plain_post_goes_through_the_sdk_s_checks() -> None:
+    """An embedder that sets TransportSecuritySettings keeps the SDK's Host/Origin checks
+    for every POST: the plain JSON-RPC shortcut is off, and a request from a host not
+    allowed is refused, not answered."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    manager = SessionManager(echo_factory, ServerConfig())
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=["good.example"]
+    )
+    endpoint = MCPEndpoint(manager, name="echo-v1", security=security)
+    app = Starlette(routes=[Route("/mcp", endpoint.asgi, methods=["POST"])])
+    request = {"jsonrpc": "2.0", "method": "tools/list", "id": 1}
+    async with endpoint.running():
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://evil.example") as http:
+            response = await http.post("/mcp", json=request)
+    assert response.status_code >= 400
+    assert "result" not in response.text
+    await manager.close_all()
+
+
 # --- JSON-RPC over the WebSocket ``mcp`` frame -----------------------------------------
 
 

@@ -177,3 +177,22 @@ async def test_a_queued_creation_that_fails_passes_its_slot_to_the_next_in_line(
     second = await asyncio.wait_for(waiting, 2)  # woken at once, not after 5 s
     assert manager.active == 1
     await manager.close(second)
+
+
+async def test_a_session_with_a_call_running_is_never_reaped_as_idle() -> None:
+    """A long command (a declared timeout_s) outlives the idle timeout on an unattached
+    session: it is not reaped while it runs, and is once it is idle for long enough."""
+    import time
+
+    from envport.server.sessions import ServerConfig, SessionManager
+    from tests.support.faulty_envs import LongCommandEnv
+
+    manager = SessionManager(LongCommandEnv, ServerConfig(idle_timeout_s=0.2))
+    session = await manager.create()
+    await session.reset()
+    running = asyncio.create_task(session.step({"command": "sleep:0.6", "timeout_s": 5}))
+    await asyncio.sleep(0.4)
+    assert manager.expired() == []  # idle for 0.4 s by the clock, but busy
+    await running
+    assert manager.expired(time.monotonic() + 1) == [session]
+    await manager.close(session)

@@ -380,6 +380,14 @@ def test_finish_reason_length_ends_the_row() -> None:
     assert row.split_reason is None  # nothing was split off
     assert row.labels == ["truncated"]
 
+    # The same, then a call that failed (nothing generated): still nothing split off.
+    from envport.trace import ErrorKind, ModelCall, TraceError
+
+    failed = ModelCall(model="m", error=TraceError(kind=ErrorKind.MODEL_PROVIDER, message="503"))
+    last.model_calls.append(failed)
+    (row,) = build_rows(last).rows
+    assert row.split_reason is None
+
 
 def test_rows_over_max_length_are_cut_or_dropped() -> None:
     trace = rollout(THREE_TURNS, step_rewards=[0.1, 0.2])

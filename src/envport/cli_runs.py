@@ -61,7 +61,7 @@ def load_tasks(
 
     if resume and not run_id:
         _fail("--resume needs --run-id (see `envport traces runs`).")
-    lenient = invalid is not None and Path(taskset).suffix == ".jsonl"
+    lenient = invalid is not None and Path(taskset).suffix == ".jsonl" and Path(taskset).is_file()
     try:
         tasks = load(taskset, invalid=invalid) if lenient else load(taskset)
         task_list = list(tasks.head(limit) if limit else tasks)

@@ -163,6 +163,11 @@ class Session:
 
     # --- bookkeeping -------------------------------------------------------------------
 
+    @property
+    def busy(self) -> bool:
+        """A call is running (or waiting for its turn): not idle, whatever its age."""
+        return self._turns.busy
+
     def touch(self) -> None:
         self.last_active = time.monotonic()
 

@@ -145,7 +145,7 @@ class MCPEndpoint:
             )
             await response(scope, receive, send)
             return
-        if _plain_jsonrpc(scope):
+        if self.security is None and _plain_jsonrpc(scope):  # (the SDK checks Host/Origin)
             await self._plain(scope, receive, send)
             return
         await self._sdk.handle_request(scope, receive, send)
@@ -155,8 +155,10 @@ class MCPEndpoint:
         request answered against the session ``X-Envport-Session`` names, or a fresh
         environment for this request alone (OpenEnv's stateless HTTP)."""
         request = Request(scope, receive)
-        body = await request.body()
-        if len(body) > self.manager.config.max_frame_bytes:
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > self.manager.config.max_frame_bytes
+        body = b"" if too_big else await request.body()
+        if too_big or len(body) > self.manager.config.max_frame_bytes:
             answer: dict[str, Any] = {
                 "jsonrpc": "2.0",
                 "id": None,

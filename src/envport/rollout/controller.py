@@ -86,7 +86,12 @@ _LIMIT_KEYS = (("c", "cpus"), ("m", "memory_mb"), ("p", "pids"), ("d", "disk_mb"
 
 def limits_label(limits: Limits) -> str:
     """``limits`` as a label value (``c2-m1024``; ``none``): Kubernetes' label rules."""
-    parts = [f"{k}{getattr(limits, f):g}" for k, f in _LIMIT_KEYS if getattr(limits, f)]
+    parts = []
+    for key, name in _LIMIT_KEYS:
+        value = getattr(limits, name)
+        if value:  # integers as they are; cpus in plain decimals (no exponent, no '+')
+            text = str(value) if isinstance(value, int) else f"{value:.6f}".rstrip("0")
+            parts.append(f"{key}{text.rstrip('.')}")
     return "-".join(parts) or "none"
 
 

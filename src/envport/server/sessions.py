@@ -157,7 +157,7 @@ class SessionManager:
         now = time.monotonic() if now is None else now
         out = []
         for s in self.sessions.values():
-            if s.attached:
+            if s.attached or s.busy:  # held, or a call still running (a long command)
                 continue
             if (
                 s.detached_at is not None and now - s.detached_at > self.config.resume_grace_s

@@ -400,7 +400,8 @@ def build_rows(
             current = None
             pending = TRUNCATED
     last = fragments[-1] if fragments else None
-    if last is not None and last.calls[-1] is trace.model_calls[-1] and last.truncated:
+    generated = [c for c in trace.model_calls if c.choices]  # failed calls made nothing
+    if last is not None and generated and last.calls[-1] is generated[-1] and last.truncated:
         last.ended_by = None  # the truncated call was the rollout's last: nothing split off
 
     if not fragments:
