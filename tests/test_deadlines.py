@@ -57,6 +57,31 @@ async def test_a_client_waits_for_a_declared_call(transport: str) -> None:
                 await env.step({"command": "sleep:1.0"})
 
 
+async def test_a_websocket_mcp_tool_call_and_a_batch_declaring_timeouts_are_waited_for() -> None:
+    from envport.client.transports import WebSocketTransport
+
+    with run_env_server(LONG, ServerConfig(call_timeout_s=0.3), mcp=False) as (url, _):
+        transport = WebSocketTransport(url, timeout_s=0.4)
+        try:
+            await transport.open()
+            await transport.request({"type": "reset", "data": {}})
+            call = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "run", "arguments": {"command": "sleep:1", "timeout_s": 3}},
+            }
+            reply = await transport.request({"type": "mcp", "data": call})
+            assert reply["data"]["result"]["data"] == "slept 1"
+            session_id = transport.session_id
+            step = {"command": "sleep:1", "timeout_s": 3}
+            batch = [{"session_id": session_id, "type": "step", "data": step}]
+            replies = await transport.request({"type": "batch", "data": batch})
+            assert replies["data"][0]["data"]["observation"]["echoed_message"] == "slept 1"
+        finally:
+            await transport.close()
+
+
 class _LongCommandHarness:
     name = "long"
 

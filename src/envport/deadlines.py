@@ -48,3 +48,17 @@ def call_deadline(base_s: float | None, payload: Any) -> float | None:
         return None
     declared = declared_timeout(payload)
     return base_s if declared is None else max(base_s, declared + GRACE_S)
+
+
+def frame_timeout(frame: Mapping[str, Any]) -> float | None:
+    """The ``timeout_s`` a client frame declares: a ``step``'s action (or its tool call's
+    arguments), an ``mcp`` ``tools/call``'s arguments, the longest of a ``batch``'s."""
+    kind, data = frame.get("type"), frame.get("data")
+    if kind == "step":
+        return declared_timeout(data)
+    if kind == "mcp" and isinstance(data, Mapping):
+        return declared_timeout(data.get("params"))
+    if kind == "batch" and isinstance(data, list):
+        declared = [frame_timeout(item) for item in data if isinstance(item, Mapping)]
+        return max((d for d in declared if d is not None), default=None)
+    return None

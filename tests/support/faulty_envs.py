@@ -14,6 +14,7 @@ from pydantic import Field
 from envport.env import Env
 from envport.envs.echo import EchoAction, EchoObservation
 from envport.sandbox import SandboxFailure
+from envport.tools import tool
 from envport.types import Action, StepResult
 
 
@@ -117,3 +118,14 @@ class LongCommandEnv(Env[CommandAction, EchoObservation]):
             return StepResult(observation=EchoObservation(echoed_message="killed"))
         await asyncio.sleep(seconds)
         return StepResult(observation=EchoObservation(echoed_message=f"slept {seconds:g}"))
+
+    @tool
+    async def run(self, command: str, timeout_s: float | None = None) -> str:
+        """Run a ``sleep:SECONDS`` command.
+
+        Args:
+            command: ``sleep:SECONDS``.
+            timeout_s: Seconds before it is killed.
+        """
+        result = await self.on_step(CommandAction(command=command, timeout_s=timeout_s))
+        return result.observation.echoed_message

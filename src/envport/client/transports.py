@@ -23,7 +23,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from envport.deadlines import call_deadline, declared_timeout
+from envport.deadlines import GRACE_S, call_deadline, declared_timeout, frame_timeout
 from envport.errors import (
     ConnectionLostError,
     EnvportError,
@@ -210,8 +210,9 @@ class WebSocketTransport:
                 frame = {**frame, "id": next(self._ids)}
             # A step that declares its own timeout_s may take that long (envport.deadlines).
             limit = self.timeout_s
-            if frame.get("type") == "step":
-                limit = call_deadline(limit, frame.get("data")) or limit
+            declared = frame_timeout(frame)
+            if declared is not None:
+                limit = max(limit, declared + GRACE_S)
             try:
                 return await self._exchange_resuming(frame, limit)
             except TimeoutError:

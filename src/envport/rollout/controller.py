@@ -60,7 +60,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from envport.client import EnvClient
-from envport.deadlines import GRACE_S, declared_timeout
+from envport.deadlines import GRACE_S, frame_timeout
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
 from envport.procs import owner_alive, start_time
@@ -331,11 +331,10 @@ class _BeatingTransport:
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
         monitor = self.monitor
-        if frame.get("type") == "step":
-            declared = declared_timeout(frame.get("data"))
-            if declared is not None:  # a long command is not a hung environment
-                until = time.monotonic() + declared + GRACE_S
-                monitor.quiet_until = max(monitor.quiet_until, until)
+        declared = frame_timeout(frame)
+        if declared is not None:  # a long command is not a hung environment
+            until = time.monotonic() + declared + GRACE_S
+            monitor.quiet_until = max(monitor.quiet_until, until)
         monitor.busy += 1
         try:
             reply: dict[str, Any] = await self.inner.request(frame)
