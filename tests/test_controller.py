@@ -249,7 +249,7 @@ async def test_a_live_controller_of_the_same_run_is_refused(store: AsyncTraceSto
 
         start = start_time(sleeper.pid)
         assert start is not None
-        owner = f"{socket.gethostname()}:{sleeper.pid}:alive:{start}"
+        owner = f"{socket.gethostname()}:{sleeper.pid}-t{start}:alive"
         s = db(store)
         s.ensure_rollout(RolloutRecord(rollout_id="r/a/0", run_id="r", max_attempts=1))
         s.advance_rollout("r/a/0", expect="pending", state="starting_env", controller=owner)
@@ -259,7 +259,7 @@ async def test_a_live_controller_of_the_same_run_is_refused(store: AsyncTraceSto
         assert s.get_rollout("r/a/0").state == "starting_env"  # left alone
         # The same pid, started at another time: a later process that got a dead
         # controller's pid. Not the owner: the run is recovered.
-        reused = f"{socket.gethostname()}:{sleeper.pid}:gone:{start + 1}"
+        reused = f"{socket.gethostname()}:{sleeper.pid}-t{start + 1}:gone"
         s.ensure_rollout(RolloutRecord(rollout_id="r/b/0", run_id="r2", max_attempts=1))
         s.advance_rollout("r/b/0", expect="pending", state="starting_env", controller=reused)
         async with Controller(store, InProcessBackend(), ScriptHarness(), run_id="r2"):

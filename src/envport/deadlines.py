@@ -41,13 +41,17 @@ def declared_timeout(payload: Any) -> float | None:
     return min(float(value), MAX_DECLARED_S)
 
 
+def extended(base_s: float | None, declared: float | None) -> float | None:
+    """A layer's deadline ``base_s`` for a call that ``declared`` its ``timeout_s``:
+    ``timeout_s + GRACE_S`` when that is longer. None (no deadline) stays None."""
+    if base_s is None or declared is None:
+        return base_s
+    return max(base_s, declared + GRACE_S)
+
+
 def call_deadline(base_s: float | None, payload: Any) -> float | None:
-    """The deadline for one call: ``base_s``, or longer when the call declares more
-    (``timeout_s + GRACE_S``). None (no deadline) stays None."""
-    if base_s is None:
-        return None
-    declared = declared_timeout(payload)
-    return base_s if declared is None else max(base_s, declared + GRACE_S)
+    """The deadline for one call with ``payload`` (see :func:`extended`)."""
+    return extended(base_s, declared_timeout(payload))
 
 
 def frame_timeout(frame: Mapping[str, Any]) -> float | None:

@@ -241,6 +241,14 @@ _BY_CODE: dict[ErrorCode, type[EnvportError]] = {
 }
 
 
+def as_envport_error(exc: Exception) -> EnvportError:
+    """``exc`` as an envport error: itself, or (an environment's bug that escaped
+    classification) an :class:`EnvExecutionError` naming it, so it is still an answer."""
+    if isinstance(exc, EnvportError):
+        return exc
+    return EnvExecutionError(f"{type(exc).__name__}: {exc}")
+
+
 def from_wire(data: dict[str, Any]) -> EnvportError:
     """Rebuild the most specific local exception for a received error frame."""
     message = str(data.get("message", "unknown error"))

@@ -8,6 +8,7 @@ process that happens to get the same pid is not taken for the owner.
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -40,7 +41,12 @@ def start_time(pid: int) -> int | None:
 def owner_tag(pid: int | None = None) -> str:
     """``PID-tSTART`` for a process (this one by default), or ``PID`` without procfs: the
     owner part of names that :func:`owner_alive` checks."""
-    pid = os.getpid() if pid is None else pid
+    return _tag(os.getpid() if pid is None else pid)
+
+
+@functools.lru_cache(maxsize=64)
+def _tag(pid: int) -> str:
+    """(A pid's start time never changes while it lives: read procfs once per pid.)"""
     start = start_time(pid)
     return f"{pid}" if start is None else f"{pid}-t{start}"
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from envport.coro import resume
-from envport.deadlines import GRACE_S, declared_timeout
+from envport.deadlines import declared_timeout, extended
 from envport.env import Env
 from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
 from envport.types import State, StepResult
@@ -211,9 +211,7 @@ class Session:
         """Run ``call`` under the session's call deadline, or longer when the call
         ``declared`` it may take longer (:mod:`envport.deadlines`)."""
         self.last_active = time.monotonic()
-        limit = self.call_timeout_s
-        if declared is not None and limit is not None:
-            limit = max(limit, declared + GRACE_S)
+        limit = extended(self.call_timeout_s, declared)
         try:
             # Run the call eagerly: most steps of a fast environment finish without ever
             # suspending, and those need no deadline (arming and cancelling a timer is a

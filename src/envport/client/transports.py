@@ -23,7 +23,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from envport.deadlines import GRACE_S, call_deadline, declared_timeout, frame_timeout
+from envport.deadlines import declared_timeout, extended, frame_timeout
 from envport.errors import (
     ConnectionLostError,
     EnvportError,
@@ -208,11 +208,8 @@ class WebSocketTransport:
                 await self.open()
             if self.extended:
                 frame = {**frame, "id": next(self._ids)}
-            # A step that declares its own timeout_s may take that long (envport.deadlines).
-            limit = self.timeout_s
-            declared = frame_timeout(frame)
-            if declared is not None:
-                limit = max(limit, declared + GRACE_S)
+            # A frame that declares its own timeout_s may take that long (envport.deadlines).
+            limit = extended(self.timeout_s, frame_timeout(frame)) or self.timeout_s
             try:
                 return await self._exchange_resuming(frame, limit)
             except TimeoutError:
@@ -334,10 +331,9 @@ class HTTPTransport:
             if kind == "step":
                 # A step that declares its own timeout_s may take that long (deadlines).
                 timeout: Any = httpx.USE_CLIENT_DEFAULT
-                if declared_timeout(data) is not None:
-                    timeout = httpx.Timeout(
-                        self.timeout_s, read=call_deadline(self.timeout_s, data)
-                    )
+                declared = declared_timeout(data)
+                if declared is not None:
+                    timeout = httpx.Timeout(self.timeout_s, read=extended(self.timeout_s, declared))
                 response = await self._client.post(
                     "/step", json={"action": data}, headers=headers, timeout=timeout
                 )

@@ -50,7 +50,10 @@ class _RpcError(Exception):
         self.data = data
 
 
-def _error(request_id: Any, code: JsonRpcCode, message: str, data: Any = None) -> dict[str, Any]:
+def jsonrpc_error(
+    request_id: Any, code: JsonRpcCode, message: str, data: Any = None
+) -> dict[str, Any]:
+    """A JSON-RPC 2.0 error response."""
     error = {"code": int(code), "message": message, "data": data}
     return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
@@ -61,19 +64,19 @@ async def handle_jsonrpc(session: Session, request: Any) -> dict[str, Any]:
         try:
             request = json.loads(request)
         except ValueError as exc:
-            return _error(None, JsonRpcCode.PARSE_ERROR, f"Parse error: {exc}")
+            return jsonrpc_error(None, JsonRpcCode.PARSE_ERROR, f"Parse error: {exc}")
     if not isinstance(request, dict):
         message = f"Invalid Request: expected a JSON object, got {type(request).__name__}."
-        return _error(None, JsonRpcCode.INVALID_REQUEST, message)
+        return jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, message)
     raw_id = request.get("id")
     request_id = raw_id if _valid_id(raw_id) else None
     try:
         method, params = _validate(request)
         result = await _dispatch(session, method, params)
     except _RpcError as exc:
-        return _error(request_id, exc.code, exc.message, exc.data)
+        return jsonrpc_error(request_id, exc.code, exc.message, exc.data)
     except Exception as exc:  # a bad request is data: answer it, never drop the session
-        return _error(
+        return jsonrpc_error(
             request_id, JsonRpcCode.INTERNAL_ERROR, f"Internal error: {type(exc).__name__}: {exc}"
         )
     return {"jsonrpc": "2.0", "id": request_id, "result": result}

@@ -78,7 +78,7 @@ from envport.errors import (
     SessionNotFoundError,
     ToolError,
 )
-from envport.mcp.jsonrpc import handle_jsonrpc
+from envport.mcp.jsonrpc import JsonRpcCode, handle_jsonrpc, jsonrpc_error
 from envport.mcp.results import ToolOutcome, call_tool
 from envport.server.sessions import SessionManager
 from envport.session import Session, SessionStatus
@@ -159,12 +159,8 @@ class MCPEndpoint:
         too_big = declared.isdigit() and int(declared) > self.manager.config.max_frame_bytes
         body = b"" if too_big else await request.body()
         if too_big or len(body) > self.manager.config.max_frame_bytes:
-            answer: dict[str, Any] = {
-                "jsonrpc": "2.0",
-                "id": None,
-                "error": {"code": -32600, "message": "Request too large.", "data": None},
-            }
-            await JSONResponse(answer, status_code=413)(scope, receive, send)
+            large = jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, "Request too large.")
+            await JSONResponse(large, status_code=413)(scope, receive, send)
             return
         token = request.headers.get(SESSION_HEADER)
         try:
@@ -177,10 +173,9 @@ class MCPEndpoint:
                     answer = await handle_jsonrpc(session, body)
                 finally:
                     await self.manager.close(session)
-        except EnvportError as exc:
-            rpc_id = _request_id(body)
-            error = {"code": -32603, "message": exc.message, "data": exc.to_wire()}
-            answer = {"jsonrpc": "2.0", "id": rpc_id, "error": error}
+        except EnvportError as exc:  # no such session, or none to be had
+            code = JsonRpcCode.INTERNAL_ERROR
+            answer = jsonrpc_error(_request_id(body), code, exc.message, exc.to_wire())
         await JSONResponse(answer)(scope, receive, send)
 
     # --- MCP handlers ------------------------------------------------------------------

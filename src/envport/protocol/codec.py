@@ -8,10 +8,10 @@ import orjson
 
 from envport.errors import (
     EnvExecutionError,
-    EnvportError,
     InvalidJSONError,
     PayloadTooLargeError,
     ProtocolError,
+    as_envport_error,
 )
 
 #: Client frame types a server understands.
@@ -62,8 +62,9 @@ def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
     return frame
 
 
-def error_frame(exc: EnvportError, frame_id: Any = None) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "error", "data": exc.to_wire()}
+def error_frame(exc: Exception, frame_id: Any = None) -> dict[str, Any]:
+    """The error frame for ``exc`` (any exception: see :func:`as_envport_error`)."""
+    out: dict[str, Any] = {"type": "error", "data": as_envport_error(exc).to_wire()}
     if frame_id is not None:
         out["id"] = frame_id
     return out

@@ -63,7 +63,7 @@ from envport.client import EnvClient
 from envport.deadlines import GRACE_S, frame_timeout
 from envport.errors import ConnectionLostError, EnvportError
 from envport.harness.model import ModelProviderError
-from envport.procs import owner_alive, start_time
+from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
 from envport.rollout.pool import EnvPool, Lease, PoolClosedError
 from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
@@ -361,11 +361,9 @@ class _Flight:
 
 
 def _controller_id() -> str:
-    """``host:pid:random[:start]``: the start time tells this process from a later one
-    that gets the same pid (see :mod:`envport.procs`)."""
-    start = start_time(os.getpid())
-    tail = "" if start is None else f":{start}"
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}{tail}"
+    """``host:PID-tSTART:random``: the owner tag (:func:`envport.procs.owner_tag`) tells
+    this process from a later one that gets the same pid."""
+    return f"{socket.gethostname()}:{owner_tag()}:{uuid.uuid4().hex[:8]}"
 
 
 async def _settle(job: asyncio.Task[None], client: EnvClient) -> None:
@@ -492,15 +490,13 @@ class Controller:
         stale = [r for r in rows if r.controller not in _LIVE]  # not another one's, here
         host = socket.gethostname()
         for rec in stale:
-            owner = (rec.controller or "").split(":")
-            if len(owner) in (3, 4) and owner[0] == host and owner[1].isdigit():
-                pid = int(owner[1])
-                start = int(owner[3]) if len(owner) == 4 and owner[3].isdigit() else None
-                if pid != os.getpid() and owner_alive(pid, start):
-                    raise ControllerConflictError(
-                        f"run {self.run_id!r} is being driven by a live controller "
-                        f"(pid {pid}); stop it first, or use another run id"
-                    )
+            parts = (rec.controller or "").split(":")
+            owner = parse_owner(parts[1]) if len(parts) == 3 and parts[0] == host else None
+            if owner is not None and owner[0] != os.getpid() and owner_alive(*owner):
+                raise ControllerConflictError(
+                    f"run {self.run_id!r} is being driven by a live controller "
+                    f"(pid {owner[0]}); stop it first, or use another run id"
+                )
         for rec in stale:
             attempts = await self._call(self._db.attempts, rollout_id=rec.rollout_id)
             open_attempt = next((a for a in attempts if not AttemptState(a.state).is_final), None)

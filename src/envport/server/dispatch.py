@@ -14,7 +14,6 @@ from typing import Any
 from envport.errors import (
     ActionValidationError,
     EnvExecutionError,
-    EnvportError,
     ProtocolError,
     SessionNotFoundError,
 )
@@ -103,10 +102,8 @@ async def handle_frame(conn: Connection, frame: dict[str, Any]) -> dict[str, Any
                 reply = {"type": "observation", "data": result.to_wire(extended=conn.extended)}
             else:
                 reply = await run_op(session, kind, data, extended=conn.extended)
-    except EnvportError as exc:
+    except Exception as exc:  # an envport error, or an env bug: an answer either way
         return error_frame(exc, frame_id)
-    except Exception as exc:  # an env bug that escaped classification: still an answer
-        return error_frame(EnvExecutionError(f"{type(exc).__name__}: {exc}"), frame_id)
     return _with_id(reply, frame_id)
 
 
@@ -129,10 +126,8 @@ async def _once(session: Session, frame_id: Any, kind: str, data: Any) -> dict[s
     session.last_reply = (frame_id, None)
     try:
         reply = await run_op(session, kind, data, extended=True)
-    except EnvportError as exc:
+    except Exception as exc:  # an envport error, or an env bug: an answer either way
         reply = error_frame(exc)
-    except Exception as exc:  # an env bug that escaped classification: still an answer
-        reply = error_frame(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
     except BaseException:
         # Cancelled (the server is shutting down): its outcome is unknown; a resend is
         # told so rather than stepping again.
@@ -240,11 +235,8 @@ async def _batch(conn: Connection, data: Any) -> dict[str, Any]:
                 raise ProtocolError(f"Batch operations are reset/step/state, not {kind!r}.")
             reply = await run_op(session, kind, item.get("data"), extended=True)
             reply["session_id"] = session.id
-        except EnvportError as exc:
+        except Exception as exc:  # an envport error, or an env bug: an answer either way
             reply = error_frame(exc)
-            reply["session_id"] = item.get("session_id")
-        except Exception as exc:
-            reply = error_frame(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
             reply["session_id"] = item.get("session_id")
         return reply
 

@@ -23,6 +23,7 @@ from envport.errors import (
     EnvportError,
     InvalidJSONError,
     PayloadTooLargeError,
+    as_envport_error,
 )
 from envport.server.sessions import SessionManager
 from envport.session import Session
@@ -44,7 +45,9 @@ class ORJSONResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def error_response(exc: EnvportError) -> Response:
+def error_response(exc: Exception) -> Response:
+    """The error answer for ``exc`` (any exception: see :func:`as_envport_error`)."""
+    exc = as_envport_error(exc)
     body = {"detail": exc.message, "error": exc.to_wire()}
     headers = {}
     if "retry_after_s" in exc.details:
@@ -112,10 +115,8 @@ async def reset(request: Request) -> Response:
         async with _session_for(request) as (session, stateful):
             result = await session.reset(**options)
             data = _reply(result.to_wire(extended=stateful), body, session, stateful)
-    except EnvportError as exc:
+    except Exception as exc:  # an envport error, or an env bug: an answer either way
         return error_response(exc)
-    except Exception as exc:  # an env bug that escaped classification: still an answer
-        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
     return _json(data)
 
 
@@ -132,10 +133,8 @@ async def step(request: Request) -> Response:
                 await session.reset()
             result = await session.step(action)
             data = _reply(result.to_wire(extended=stateful), body, session, stateful)
-    except EnvportError as exc:
+    except Exception as exc:  # an envport error, or an env bug: an answer either way
         return error_response(exc)
-    except Exception as exc:  # an env bug that escaped classification: still an answer
-        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
     return _json(data)
 
 
@@ -146,10 +145,8 @@ async def state(request: Request) -> Response:
                 data = session.env.state_type().model_dump(mode="json")
             else:
                 data = (await session.state()).model_dump(mode="json")
-    except EnvportError as exc:
+    except Exception as exc:  # an envport error, or an env bug: an answer either way
         return error_response(exc)
-    except Exception as exc:  # an env bug that escaped classification: still an answer
-        return error_response(EnvExecutionError(f"{type(exc).__name__}: {exc}"))
     return _json(data)
 
 
