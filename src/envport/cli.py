@@ -131,6 +131,20 @@ def serve(
     max_frame_bytes: Annotated[
         int | None, typer.Option(help="Largest WebSocket frame or HTTP body accepted.")
     ] = None,
+    stall_warn: Annotated[
+        float | None,
+        typer.Option(
+            help="Log an event-loop stall (an async env method running blocking code) "
+            "longer than this many seconds, with its stack; 0 turns the watchdog off."
+        ),
+    ] = None,
+    stall_exit: Annotated[
+        float | None,
+        typer.Option(
+            help="Exit with status 70 when the loop is still stuck this many seconds past "
+            "the stalled call's deadline (its call is interrupted at the deadline); 0: never."
+        ),
+    ] = None,
     log_level: Annotated[
         LogLevel, typer.Option(case_sensitive=False, help="Server log verbosity.")
     ] = LogLevel.INFO,
@@ -148,6 +162,8 @@ def serve(
         idle_timeout_s=idle_timeout,
         resume_grace_s=resume_grace,
         max_frame_bytes=max_frame_bytes,
+        stall_warn_s=stall_warn,
+        stall_exit_s=stall_exit,
     )
     from envport.server import serve as run_server  # heavy; only this command needs it
 
@@ -160,8 +176,9 @@ def _server_config(**options: Any) -> "ServerConfig":
     from envport.server.sessions import ServerConfig
 
     given = {k: v for k, v in options.items() if v is not None}
-    if given.get("call_timeout_s") == 0:
-        given["call_timeout_s"] = None
+    for zero_is_none in ("call_timeout_s", "stall_warn_s", "stall_exit_s"):
+        if given.get(zero_is_none) == 0:
+            given[zero_is_none] = None
     try:
         return ServerConfig(**given)
     except ValidationError as exc:

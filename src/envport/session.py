@@ -26,6 +26,7 @@ from envport.coro import resume
 from envport.deadlines import declared_timeout, extended
 from envport.env import Env
 from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
+from envport.loopwatch import LoopStalled
 from envport.types import State, StepResult
 
 T = TypeVar("T")
@@ -231,6 +232,16 @@ class Session:
             raise EnvTimeoutError(
                 f"{what} did not finish within {limit:g} s; the environment "
                 "was discarded. Call reset() to continue on a fresh one.",
+                timeout_s=limit,
+            ) from None
+        except LoopStalled:  # it blocked the loop past its deadline (envport.loopwatch)
+            self._poison()
+            raise EnvTimeoutError(
+                f"{what} blocked the server's event loop for "
+                f"{time.monotonic() - self.last_active:.1f} s, past its {limit:g} s "
+                "deadline: an async environment method ran blocking code (make it a plain "
+                "def, which runs on the environment's thread, or await its I/O). The "
+                "environment was discarded. Call reset() to continue on a fresh one.",
                 timeout_s=limit,
             ) from None
         finally:

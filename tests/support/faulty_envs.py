@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -62,6 +63,17 @@ class FaultyEnv(Env[EchoAction, EchoObservation]):
             raise SandboxFailure("the sandbox's shell died; it was restarted")
         if action.message.startswith("sleep:"):
             await asyncio.sleep(float(action.message.split(":", 1)[1]))
+        # A bug the loop watchdog is there for: blocking code in an async method.
+        if action.message.startswith("loop_sleep:"):
+            time.sleep(float(action.message.split(":", 1)[1]))  # noqa: ASYNC251
+        if action.message.startswith("loop_spin:"):
+            end = time.monotonic() + float(action.message.split(":", 1)[1])
+            while time.monotonic() < end:
+                pass
+        if action.message == "loop_stuck":  # blocks, and swallows every interrupt
+            while True:
+                with contextlib.suppress(BaseException):
+                    time.sleep(3600)  # noqa: ASYNC251
         if action.message == "unserialisable":  # a set has no JSON form
             return StepResult(observation=EchoObservation(echoed_message="x"), info={"ids": {1}})
         return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)

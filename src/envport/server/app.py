@@ -15,6 +15,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.routing import Route, WebSocketRoute
 
+from envport.loopwatch import LoopWatchdog
 from envport.registry import resolve
 from envport.server import http
 from envport.server.sessions import ServerConfig, SessionManager
@@ -42,9 +43,15 @@ def create_app(
 
         endpoint = MCPEndpoint(manager, name=env_name)
 
+    watchdog = None
+    if config.stall_warn_s is not None:
+        watchdog = LoopWatchdog(warn_s=config.stall_warn_s, exit_after_s=config.stall_exit_s)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await probe.close()
+        if watchdog is not None:
+            watchdog.start()
         async with anyio.create_task_group() as tg:
             tg.start_soon(manager.reaper)
             try:
@@ -56,6 +63,8 @@ def create_app(
             finally:
                 tg.cancel_scope.cancel()
                 await manager.close_all()
+                if watchdog is not None:
+                    watchdog.stop()
 
     routes: list[Any] = [
         WebSocketRoute("/ws", websocket_endpoint),
@@ -73,6 +82,7 @@ def create_app(
         routes.append(Route("/mcp", endpoint.asgi, methods=["GET", "POST", "DELETE"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.manager = manager
+    app.state.watchdog = watchdog
     app.state.metadata = meta
     app.state.schemas = {
         **probe.schemas(),

@@ -183,7 +183,11 @@ async def health(request: Request) -> Response:
 
 
 async def stats(request: Request) -> Response:
-    return ORJSONResponse(_manager(request).stats())
+    out = _manager(request).stats()
+    watchdog = getattr(request.app.state, "watchdog", None)
+    if watchdog is not None:
+        out.update(watchdog.stats())
+    return ORJSONResponse(out)
 
 
 async def metadata(request: Request) -> Response:

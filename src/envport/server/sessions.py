@@ -42,6 +42,15 @@ class ServerConfig(BaseModel):
     max_frame_bytes: int = Field(16 * 2**20, ge=1024, description="Largest frame or body.")
     reap_interval_s: float = Field(1.0, gt=0)
     max_batch: int = Field(4096, ge=1, description="Most operations in one batch frame.")
+    stall_warn_s: float | None = Field(
+        1.0, gt=0, description="Log an event-loop stall longer than this (None: no watchdog)."
+    )
+    stall_exit_s: float | None = Field(
+        60.0,
+        gt=0,
+        description="Exit (status 70) when the loop is still stuck this long past the "
+        "stalled call's deadline (None: never); only a server on the main thread.",
+    )
 
 
 class SessionManager:

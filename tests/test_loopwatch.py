@@ -1,0 +1,201 @@
+"""The event-loop watchdog: an async environment method that blocks the server's loop.
+
+Every wait below is a generous bound on a reply that, without the watchdog, would not
+come for a minute or an hour (the stalled call's sleep or spin): not a speed assertion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from envport.errors import EnvTimeoutError
+from envport.loopwatch import EXIT_STALLED, LoopWatchdog
+from envport.server import ServerConfig
+from envport.session import Session
+from tests.support.cli import CLI_ENV, ENVPORT
+from tests.support.faulty_envs import FaultyEnv
+from tests.support.servers import free_port, run_env_server
+
+
+def ws_url(base: str) -> str:
+    return base.replace("http://", "ws://") + "/ws"
+
+
+async def ask(ws: ClientConnection, frame: dict[str, Any], wait_s: float = 20) -> dict[str, Any]:
+    await ws.send(json.dumps(frame))
+    reply: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), wait_s))
+    return reply
+
+
+def step(message: str) -> dict[str, Any]:
+    return {"type": "step", "data": {"message": message}}
+
+
+async def blocked_call_is_interrupted_and_others_go_on(url: str, block: str) -> None:
+    """Session A's step blocks the loop; B's step waits behind it; A's deadline frees both."""
+    async with connect(ws_url(url)) as a, connect(ws_url(url)) as b:
+        await ask(a, {"type": "reset"})
+        await ask(b, {"type": "reset"})
+        await a.send(json.dumps(step(block)))
+        await asyncio.sleep(0.2)  # A's step has the loop
+        served = await ask(b, step("meanwhile"))
+        assert served["data"]["observation"]["echoed_message"] == "meanwhile"
+        err = json.loads(await asyncio.wait_for(a.recv(), 20))
+        assert err["type"] == "error"
+        assert err["data"]["code"] == "TIMEOUT", err
+        assert "blocked the server's event loop" in err["data"]["message"]
+        assert "plain def" in err["data"]["message"]
+        # A's environment was discarded, as for any call past its deadline; reset is fresh.
+        assert (await ask(a, step("x")))["data"]["code"] == "NOT_RESET"
+        assert (await ask(a, {"type": "reset"}))["type"] == "observation"
+        fresh = await ask(a, step("fresh"))
+        assert fresh["data"]["observation"]["echoed_message"] == "fresh"
+
+
+async def test_in_a_thread_a_busy_loop_past_its_deadline_is_interrupted() -> None:
+    config = ServerConfig(call_timeout_s=0.5, stall_warn_s=0.2)
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, app):
+        await blocked_call_is_interrupted_and_others_go_on(url, "loop_spin:60")
+        stats = app.state.watchdog.stats()
+        assert stats["loop_stalls"] >= 1
+        assert stats["loop_stall_interrupts"] == 1
+        assert stats["longest_loop_stall_s"] >= 0.2
+        async with httpx.AsyncClient(base_url=url) as http:
+            body = (await http.get("/stats")).json()
+        assert body["loop_stall_interrupts"] == 1
+
+
+async def test_a_short_stall_is_logged_with_its_stack_and_the_call_still_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ServerConfig(call_timeout_s=30, stall_warn_s=0.2)
+    caplog.set_level(logging.WARNING, logger="envport.server")
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, app):
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "reset"})
+            reply = await ask(ws, step("loop_sleep:0.8"))
+            assert reply["data"]["observation"]["echoed_message"] == "loop_sleep:0.8"
+        stats = app.state.watchdog.stats()
+    assert stats["loop_stalls"] == 1
+    assert stats["loop_stall_interrupts"] == 0
+    warning = next(r.getMessage() for r in caplog.records if "has been blocked" in r.getMessage())
+    assert "faulty_envs.py" in warning
+    assert "on_step" in warning
+    assert "time.sleep" in warning
+
+
+def test_the_watchdog_is_off_when_asked() -> None:
+    with run_env_server("echo-v1", ServerConfig(stall_warn_s=None), mcp=False) as (_, app):
+        assert app.state.watchdog is None
+
+
+async def test_on_the_main_thread_a_blocking_sleep_is_woken_by_the_signal() -> None:
+    """The loop of this test runs on the main thread, as ``envport serve``'s does: the
+    interrupt comes as a signal, which wakes ``time.sleep`` itself."""
+    watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=None)
+    watchdog.start()
+    try:
+        session = Session(FaultyEnv, call_timeout_s=0.3)
+        await session.reset()
+        with pytest.raises(EnvTimeoutError, match="blocked the server's event loop"):
+            await session.step({"message": "loop_sleep:3600"})
+        assert watchdog.stats()["loop_stall_interrupts"] == 1
+        await session.close()
+    finally:
+        watchdog.stop()
+
+
+async def test_a_stall_outside_any_environment_call_is_only_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=None)
+    watchdog.start()
+    try:
+        time.sleep(0.5)  # noqa: ASYNC251 - this test's own code blocks the loop: nothing to interrupt
+        await asyncio.sleep(0.3)  # the loop beats again: the stall is over
+    finally:
+        watchdog.stop()
+    stats = watchdog.stats()
+    assert stats["loop_stalls"] == 1
+    assert stats["loop_stall_interrupts"] == 0
+    assert stats["longest_loop_stall_s"] >= 0.3
+    assert any("test_loopwatch.py" in r.getMessage() for r in caplog.records)
+
+
+@contextmanager
+def envport_serve(tmp_path: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``envport serve`` (loop on the main thread, uvloop) serving FaultyEnv."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    argv = [ENVPORT, "serve", "tests.support.faulty_envs:FaultyEnv", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*argv, "--log-level", "warning", *options],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=CLI_ENV,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 45
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not start"
+                time.sleep(0.1)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+async def test_envport_serve_interrupts_a_blocked_step_and_serves_the_others(
+    tmp_path: Path,
+) -> None:
+    options = ("--call-timeout", "1", "--stall-warn", "0.2")
+    with envport_serve(tmp_path, *options) as (url, proc):
+        await blocked_call_is_interrupted_and_others_go_on(url, "loop_sleep:3600")
+        async with httpx.AsyncClient() as http:
+            stats = (await http.get(f"{url}/stats", timeout=5)).json()
+        assert stats["loop_stalls"] >= 1
+        assert stats["loop_stall_interrupts"] == 1
+        assert proc.poll() is None  # the server lives on
+    log = (tmp_path / "serve.log").read_text()
+    assert "has been blocked" in log
+    assert "faulty_envs.py" in log
+    assert "Interrupting the stalled environment call" in log
+
+
+async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path: Path) -> None:
+    options = ("--call-timeout", "0.5", "--stall-warn", "0.2", "--stall-exit", "1")
+    with envport_serve(tmp_path, *options) as (url, proc):
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "reset"})
+            await ws.send(json.dumps(step("loop_stuck")))
+            with pytest.raises(ConnectionClosed):  # the process is gone: no hang
+                await asyncio.wait_for(ws.recv(), 30)
+        assert proc.wait(30) == EXIT_STALLED
+    log = (tmp_path / "serve.log").read_text()
+    assert "could not be freed; exiting (status 70)" in log
+    assert "loop_stuck" in log or "faulty_envs.py" in log
