@@ -124,14 +124,14 @@ async def test_a_stall_outside_any_environment_call_is_only_logged(
     watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=None)
     watchdog.start()
     try:
-        time.sleep(0.5)  # noqa: ASYNC251 - this test's own code blocks the loop: nothing to interrupt
+        time.sleep(0.6)  # noqa: ASYNC251 - this test's own code blocks the loop: nothing to interrupt
         await asyncio.sleep(0.3)  # the loop beats again: the stall is over
     finally:
         watchdog.stop()
     stats = watchdog.stats()
     assert stats["loop_stalls"] == 1
     assert stats["loop_stall_interrupts"] == 0
-    assert stats["longest_loop_stall_s"] >= 0.3
+    assert stats["longest_loop_stall_s"] >= 0.2
     assert any("test_loopwatch.py" in r.getMessage() for r in caplog.records)
 
 

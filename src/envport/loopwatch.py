@@ -146,11 +146,11 @@ class LoopWatchdog:
         stalled = now - beat - self.interval_s  # the beat is due every interval_s
         if stalled < self.warn_s:
             if self._stall_beat is not None:
-                self._end_stall(now)
+                self._end_stall()
             return
         frame = sys._current_frames().get(self._loop_thread)
         if self._stall_beat != beat:  # a new stall
-            self._end_stall(now)
+            self._end_stall()
             self._stall_beat = beat
             self.stalls += 1
             log.warning(
@@ -182,9 +182,7 @@ class LoopWatchdog:
             logging.shutdown()
             os._exit(EXIT_STALLED)
 
-    def _end_stall(self, now: float) -> None:
-        if self._stall_beat is not None:
-            self.longest_stall_s = max(self.longest_stall_s, now - self._stall_beat)
+    def _end_stall(self) -> None:
         self._stall_beat = None
         self._target = None
 
