@@ -182,7 +182,7 @@ async def test_guess_number_tool_through_step_and_call_tool() -> None:
 
         hit = await env.step(call("guess", number=secret))
         assert isinstance(hit.observation, CallToolObservation)
-        assert hit.observation.result["feedback"] == "correct"
+        assert hit.observation.result.data["feedback"] == "correct"
         assert hit.reward == 1.0
         assert hit.terminated
 
@@ -240,7 +240,7 @@ async def test_guess_word_invalid_guesses_count_and_truncate() -> None:
         assert last.truncated
         assert not last.terminated
         assert last.reward == 0.0
-        assert last.observation.result["secret"] == secret
+        assert last.observation.result.data["secret"] == secret
 
 
 # --- arithmetic-v1 -------------------------------------------------------------------------
@@ -388,7 +388,7 @@ async def test_sqldb_count_answer_matches_data_and_scores_one() -> None:
 
         result = await env.step(call("submit_answer", answer=f" {expected} "))
         assert isinstance(result.observation, CallToolObservation)
-        assert result.observation.result == {
+        assert result.observation.result.data == {
             "correct": True,
             "expected": str(expected),
             "reward": 1.0,
@@ -485,7 +485,7 @@ async def test_sqldb_tools_are_listed_with_schemas_and_callable() -> None:
         assert all(spec.description for spec in specs.values())
 
         tables = await env.step(call("list_tables"))
-        assert sorted(tables.observation.result) == ["departments", "employees", "orders"]
+        assert sorted(tables.observation.result.data) == ["departments", "employees", "orders"]
         assert tables.reward is None
         assert not tables.done
 

@@ -85,6 +85,13 @@ async def test_tool_env_over_real_env_servers(model_url: str, tmp_path: Path) ->
         ids = {tc.id for m in trace.messages for tc in m.tool_calls}
         assert all(s.tool_call_id in ids for s in tool_steps)
         assert [m for m in trace.messages if m.role == "tool"]
+        # The model reads a tool's plain value (the CallToolResult's data), not its wrapper.
+        replies = {m.tool_call_id: m.content for m in trace.messages if m.role == "tool"}
+        for step in tool_steps:
+            if step.observation.get("error") is None:
+                value = step.observation["result"]["data"]
+                shown = value if isinstance(value, str) else json.dumps(value, default=str)
+                assert replies[step.tool_call_id] == shown
 
 
 async def test_model_endpoint_down_is_a_classified_failure(tmp_path: Path) -> None:

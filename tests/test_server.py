@@ -89,7 +89,14 @@ async def test_tools_as_openenv_actions(echo_url: str) -> None:
                 },
             },
         )
-        assert called["data"]["observation"]["result"] == "cba"
+        result = called["data"]["observation"]["result"]  # OpenEnv's CallToolResult
+        assert result["data"] == "cba"
+        assert result["content"] == [
+            {"type": "text", "text": "cba", "annotations": None, "meta": None}
+        ]
+        assert result["structured_content"] == {"result": "cba"}
+        assert result["is_error"] is False
+        assert called["data"]["observation"]["error"] is None
         bad = await ask(
             ws,
             {"type": "step", "data": {"type": "call_tool", "tool_name": "nope", "arguments": {}}},

@@ -47,6 +47,7 @@ from envport.types import (
     Action,
     CallToolAction,
     CallToolObservation,
+    CallToolResult,
     EnvMetadata,
     ListToolsAction,
     ListToolsObservation,
@@ -249,7 +250,7 @@ class Env(Generic[ActT, ObsT]):
         except ToolError as exc:
             error = ToolErrorInfo(error_type=exc.kind, message=exc.message)
             return CallToolObservation(tool_name=action.tool_name, error=error)
-        return CallToolObservation(tool_name=action.tool_name, result=result)
+        return CallToolObservation(tool_name=action.tool_name, result=CallToolResult.of(result))
 
     # --- metadata ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ Gymnasium) and ``done`` is their union.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -122,11 +123,86 @@ class ToolErrorInfo(BaseModel):
     message: str
 
 
+def tool_text(value: Any) -> str:
+    """A tool result as one text block: a string as is, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def structured_content(value: Any) -> dict[str, Any]:
+    """A tool result as MCP's ``structuredContent``: a dict as is, any other value wrapped
+    as ``{"result": value}`` (MCP requires an object there through 2025-11-25)."""
+    return value if isinstance(value, dict) else {"result": value}
+
+
+class TextContent(BaseModel):
+    """MCP's text content block, with the keys OpenEnv's step observations give it."""
+
+    type: Literal["text"] = "text"
+    text: str
+    annotations: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+
+
+class CallToolResult(BaseModel):
+    """A successful tool call as OpenEnv's ``call_tool`` observation carries it.
+
+    OpenEnv puts FastMCP's ``CallToolResult`` in ``result`` and dumps it with these
+    snake_case keys; its clients return ``data``, the tool's plain JSON value. ``content``
+    is one text block (:func:`tool_text`), ``structured_content`` is
+    :func:`structured_content` of the value (as on envport's MCP endpoint), ``meta`` is
+    null and ``is_error`` false: a failed call has no result, it has the observation's
+    ``error``.
+    """
+
+    content: list[TextContent]
+    structured_content: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
+    data: Any = None
+    is_error: bool = False
+
+    @classmethod
+    def of(cls, value: Any) -> CallToolResult:
+        """The result of a call that returned ``value`` (JSON-able)."""
+        return cls(
+            content=[TextContent(text=tool_text(value))],
+            structured_content=structured_content(value),
+            data=value,
+        )
+
+
+def tool_result_value(result: Any) -> Any:
+    """The plain value in a ``call_tool`` observation's wire ``result``.
+
+    A ``CallToolResult`` gives its ``data``; when a plain OpenEnv server's FastMCP tool
+    has no output schema, ``data`` and ``structured_content`` are null and its text
+    content is the value. Anything else is taken to be the bare value itself.
+    """
+    if not (
+        isinstance(result, dict)
+        and isinstance(result.get("content"), list)
+        and "data" in result
+        and "is_error" in result
+    ):
+        return result
+    if result["data"] is not None or result.get("structured_content") is not None:
+        return result["data"]
+    texts = [
+        str(block.get("text", ""))
+        for block in result["content"]
+        if isinstance(block, dict) and block.get("type") == "text"
+    ]
+    return "".join(texts) if texts else None
+
+
 class ListToolsObservation(Observation):
     tools: list[ToolSpec]
 
 
 class CallToolObservation(Observation):
+    """OpenEnv's ``CallToolObservation``: ``result`` on success, ``error`` on failure."""
+
     tool_name: str
-    result: Any = None
+    result: CallToolResult | None = None
     error: ToolErrorInfo | None = None

@@ -27,6 +27,7 @@ from envport.client.transports import (
     raise_for_error,
 )
 from envport.errors import EnvportError, ToolError
+from envport.types import tool_result_value
 
 if TYPE_CHECKING:
     from envport.client.sync import SyncEnvClient
@@ -119,14 +120,15 @@ class EnvClient:
         return tools
 
     async def call_tool(self, name: str, arguments: dict[str, Any] | None = None) -> Any:
-        """Call a tool; raises :class:`ToolError` with the server's error kind."""
+        """Call a tool and return its plain value (the ``data`` of the observation's
+        ``CallToolResult``); raises :class:`ToolError` with the server's error kind."""
         result = await self.step(
             {"type": "call_tool", "tool_name": name, "arguments": arguments or {}}
         )
         error = result.observation.get("error")
         if error:
             raise ToolError(error.get("message", "tool failed"), kind=error.get("error_type"))
-        return result.observation.get("result")
+        return tool_result_value(result.observation.get("result"))
 
     async def close(self) -> None:
         with contextlib.suppress(EnvportError):

@@ -23,6 +23,7 @@ from envport.client import ClientStepResult, EnvClient
 from envport.harness.model import ChatModel, ModelProviderError
 from envport.tasks import Task
 from envport.trace import Message, StepRecord, ToolCall, Trace
+from envport.types import tool_result_value
 
 
 class AgentConfig(BaseModel):
@@ -38,6 +39,13 @@ def observation_text(observation: dict[str, Any]) -> str:
     if set(shown) <= {"message", "feedback"} and isinstance(shown.get("message"), str):
         return str(shown["message"])
     return json.dumps(shown, ensure_ascii=False, default=str)
+
+
+def tool_result_text(result: Any) -> str:
+    """What the model reads of a successful tool call, given the observation's
+    ``result`` (a ``CallToolResult``): its plain value, a string as is, else JSON."""
+    value = tool_result_value(result)
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def reset_options(task: Task) -> dict[str, Any]:
@@ -216,8 +224,7 @@ class ToolCallingAgent:
                 err = obs["error"]
                 content = f"Error ({err.get('error_type')}): {err.get('message')}"
             else:
-                value = obs.get("result")
-                content = value if isinstance(value, str) else json.dumps(value, default=str)
+                content = tool_result_text(obs.get("result"))
             trace.append_message(
                 Message(
                     role="tool",

@@ -14,13 +14,12 @@ the wire mapping of raised errors to each transport.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from envport.errors import EnvTimeoutError, ToolError
 from envport.session import Session
-from envport.types import ToolSpec
+from envport.types import ToolSpec, structured_content, tool_text
 
 
 def tool_listing(specs: list[ToolSpec]) -> list[dict[str, Any]]:
@@ -47,11 +46,7 @@ class ToolOutcome:
 
     @classmethod
     def success(cls, value: Any) -> ToolOutcome:
-        if isinstance(value, str):
-            text = value
-        else:
-            text = json.dumps(value, ensure_ascii=False, default=str)
-        structured = value if isinstance(value, dict) else {"result": value}
+        text, structured = tool_text(value), structured_content(value)
         return cls(text=text, structured=structured, is_error=False, value=value)
 
     @classmethod

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 from envport.client import EnvClient, SyncEnvClient
-from envport.harness.agent import AgentConfig, observation_text
+from envport.harness.agent import AgentConfig, observation_text, tool_result_text
 from envport.harness.model import ChatModel
 from envport.tasks import Task
 from envport.trace import TraceStore
@@ -390,8 +390,7 @@ class EnvportEnvironment:
             raise RuntimeError(f"{error.get('error_type')}: {error.get('message')}")
         if self._action_tool:
             return observation_text(obs)
-        value = obs.get("result")
-        return value if isinstance(value, str) else json.dumps(value, default=str)
+        return tool_result_text(obs.get("result"))
 
     def _close(self) -> None:
         self._client.close()
