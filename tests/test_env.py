@@ -177,3 +177,63 @@ def test_registry_versions_paths_and_suggestions() -> None:
     with pytest.raises(UnknownEnvError):
         envport.make("tests.test_env:Nope")
     assert {"echo-v1", "arithmetic-v1", "sql-db-v1"} <= set(envport.registered())
+
+
+async def test_a_refused_reset_leaves_the_episode_as_it_was() -> None:
+    env = envport.make("guess-number-v1")
+    await env.reset(seed=1, max_steps=3)
+    await env.step({"guess": 5})
+    before = await env.state()
+    with pytest.raises(ActionValidationError, match="bogus"):
+        await env.reset(seed=2, bogus=1)
+    after = await env.state()
+    assert after.episode_id == before.episode_id  # not a new episode id on the old game
+    assert after.step_count == before.step_count == 1
+    assert (await env.step({"guess": 6})).observation is not None  # the same game goes on
+    assert (await env.state()).step_count == 2
+    await env.close()
+
+
+class BreaksOnReset(Env[Action, Observation]):
+    """Resets fine once, then crashes midway through the next reset."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[Observation]:
+        if options.get("crash"):
+            raise RuntimeError("lost the database halfway through")
+        return StepResult(observation=Observation())
+
+    async def on_step(self, action: Action) -> StepResult[Observation]:
+        return StepResult(observation=Observation(), reward=1.0)
+
+    @tool
+    def ping(self) -> str:
+        """Answer pong."""
+        return "pong"
+
+
+async def test_a_reset_that_crashes_asks_for_another_before_any_step() -> None:
+    env = BreaksOnReset()
+    await env.reset()
+    await env.step({})
+    episode = env.episode_id
+    with pytest.raises(EnvExecutionError, match="halfway"):
+        await env.reset(crash=True)
+    assert env.episode_id == episode
+    with pytest.raises(EnvNotResetError, match=r"last reset\(\) failed .*halfway"):
+        await env.step({})
+    await env.reset()
+    assert (await env.step({})).reward == 1.0
+    await env.close()
+
+
+async def test_tool_actions_are_answered_before_the_first_reset() -> None:
+    env = BreaksOnReset()
+    listed = await env.step({"type": "list_tools"})
+    assert [t.name for t in listed.observation.tools] == ["ping"]  # type: ignore[attr-defined]
+    called = await env.step({"type": "call_tool", "tool_name": "ping", "arguments": {}})
+    assert called.observation.result.data == "pong"  # type: ignore[attr-defined]
+    with pytest.raises(EnvNotResetError):  # any other action still needs a reset
+        await env.step({})
+    await env.close()
+    with pytest.raises(EnvClosedError):
+        await env.step({"type": "list_tools"})

@@ -122,6 +122,14 @@ async def test_openenv_tool_client_reads_every_kind_of_result(kinds_url: str) ->
             await env.call_tool("missing")
 
 
+async def test_openenv_tool_client_works_before_any_reset(kinds_url: str) -> None:
+    """OpenEnv documents ``list_tools()``/``call_tool()`` straight after connecting, and
+    its MCP environments answer them unreset (as envport's ``/mcp`` does)."""
+    async with MCPToolClient(base_url=kinds_url) as env:
+        assert {t.name for t in await env.list_tools()} == {*RESULTS, "fails"}
+        assert await env.call_tool("text") == "héllo"
+
+
 async def test_openenv_step_observation_is_a_call_tool_result(kinds_url: str) -> None:
     async with MCPToolClient(base_url=kinds_url) as env:
         await env.reset()

@@ -84,6 +84,8 @@ class Env(Generic[ActT, ObsT]):
     #: Shown by ``GET /metadata``; defaults to the class name and docstring.
     description: ClassVar[str | None] = None
     version: ClassVar[str | None] = None
+    #: Why the last reset failed, while the episode waits for a new one.
+    _failed_reset: str | None = None
 
     def __init__(self) -> None:
         self.status = EnvStatus.NEW
@@ -129,17 +131,39 @@ class Env(Generic[ActT, ObsT]):
                 f"episode_id must be a string or null, not {type(episode_id).__name__}.",
                 errors=[{"field": "episode_id", "message": "must be a string or null"}],
             )
+        before = (self.episode_id, self.step_count, self.rng)
         self.episode_id = episode_id or uuid.uuid4().hex
         self.step_count = 0
         self.rng = random.Random(seed)
-        result = await self._run_hook(self.on_reset, seed, **options)
+        try:
+            result = await self._run_hook(self.on_reset, seed, **options)
+        except BaseException as exc:
+            if self.status is not EnvStatus.CLOSED:
+                self._reset_refused(before, exc)
+            raise
         self.status = EnvStatus.RUNNING
+        self._failed_reset = None
         return result
+
+    def _reset_refused(self, before: tuple[Any, ...], exc: BaseException) -> None:
+        """A refused reset (invalid options: :class:`ActionValidationError`, which
+        ``on_reset`` raises before it changes anything) leaves the episode as it was. Any
+        other failure may have left it half reset: the next step asks for a new reset."""
+        self.episode_id, self.step_count, self.rng = before
+        if isinstance(exc, ActionValidationError):
+            return
+        self.status = EnvStatus.NEW
+        self._failed_reset = f"{type(exc).__name__}: {exc}"
 
     async def step(self, action: ActT | AnyAction | dict[str, Any]) -> StepResult[Any]:
         if self.status is not EnvStatus.RUNNING:
             self._check_open()
-            raise EnvNotResetError("step() called before reset(); call reset() first.")
+            if not self._is_tool_action(action):
+                if self._failed_reset is not None:
+                    raise EnvNotResetError(
+                        f"The last reset() failed ({self._failed_reset}); call reset() again."
+                    )
+                raise EnvNotResetError("step() called before reset(); call reset() first.")
         typed = self.parse_action(action)
         self.step_count += 1
         if isinstance(typed, ListToolsAction):
@@ -155,6 +179,17 @@ class Env(Generic[ActT, ObsT]):
             raise
         except Exception as exc:
             raise self._hook_error(exc) from exc
+
+    def _is_tool_action(self, action: Any) -> bool:
+        """``list_tools``/``call_tool``: answered before the first reset too, as OpenEnv's
+        MCP environments and envport's ``/mcp`` answer them."""
+        if isinstance(action, ListToolsAction | CallToolAction):
+            return True
+        return (
+            isinstance(action, dict)
+            and action.get("type") in ("list_tools", "call_tool")
+            and "type" not in self.action_type.model_fields
+        )
 
     async def state(self) -> State:
         self._check_open()
