@@ -208,13 +208,33 @@ def test_rollout_output_keeps_labels_masks_and_stands_in_for_missing_rows() -> N
     assert rollout_output([row([1]), row([1], logprobs=False)])["logprobs"] is None
 
 
-def test_rollout_func_rejects_ambiguous_and_unknown_prompts(model_url: str) -> None:
+def test_tasks_sharing_a_prompt_take_turns_one_per_group(model_url: str) -> None:
+    """TRL hands over only prompts: variants of one prompt (other seeds) run in turn, each
+    GRPO group (``num_generations`` repeats) on one task."""
+    from types import SimpleNamespace
+
     task = guess_tasks(1)[0]
     twin = task.model_copy(update={"id": "twin", "seed": 99})
-    with pytest.raises(ValueError, match="same prompt"):
-        EnvportRolloutFunc([task, twin], model_url, "scripted")
-    func = EnvportRolloutFunc([task], model_url, "scripted")
-    with pytest.raises(KeyError, match="not one of the 1 tasks"):
+    other = guess_tasks(2)[1]
+    func = EnvportRolloutFunc([task, twin, other], model_url, "scripted")
+    prompt, other_prompt = (tasks_dataset([t])[0]["prompt"] for t in (task, other))
+    trainer = SimpleNamespace(args=SimpleNamespace(num_generations=2))
+
+    def ran() -> list[str | None]:
+        return [r.trace.task_id for r in func.last_rollouts]
+
+    out = func([prompt] * 4 + [other_prompt] * 2, trainer)
+    assert len(out["prompt_ids"]) == 6
+    assert ran() == [task.id, task.id, twin.id, twin.id, other.id, other.id]
+    func([prompt] * 2, trainer)  # the turn goes on across calls
+    assert ran() == [task.id, task.id]
+    func([prompt] * 3)  # no trainer: one run of repeats is one group
+    assert ran() == [twin.id] * 3
+
+
+def test_rollout_func_rejects_unknown_prompts(model_url: str) -> None:
+    func = EnvportRolloutFunc(guess_tasks(1), model_url, "scripted")
+    with pytest.raises(KeyError, match="not one of the 1 prompts"):
         func([[{"role": "user", "content": "something else"}]])
 
 

@@ -3,8 +3,9 @@
 **rollout_func** (:class:`EnvportRolloutFunc`). TRL calls ``rollout_func(prompts,
 trainer)`` with each prompt already repeated ``num_generations`` times and wants exactly
 one completion per prompt, in order. Each prompt is looked up among the tasks it was made
-from (:func:`tasks_dataset` builds the dataset), one envport rollout runs against an
-OpenAI-compatible endpoint that returns token ids (vLLM, or envport's policy server),
+from (:func:`tasks_dataset` builds the dataset; tasks that share a prompt, such as one
+question on several seeds, are taken in turn, one per group), one envport rollout runs
+against an OpenAI-compatible endpoint that returns token ids (vLLM, or envport's policy server),
 and the rollout's token-exact row (:mod:`envport.train.rows`) becomes TRL's
 ``prompt_ids`` / ``completion_ids`` / ``logprobs`` and ``env_mask`` (1 = sampled by
 the policy, 0 = tool results and template tokens; TRL multiplies it into the loss mask).
@@ -186,15 +187,11 @@ class EnvportRolloutFunc:
             raise ValueError(f"on_failure must be 'mask' or 'raise', not {on_failure!r}")
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
-        self.tasks: dict[str, Task] = {}
+        # prompt -> the tasks that open with it (several: variants, e.g. other seeds)
+        self.tasks: dict[str, list[Task]] = {}
         for task in tasks:
-            key = _prompt_key(task_messages(task))
-            if key in self.tasks:
-                raise ValueError(
-                    f"tasks {self.tasks[key].id!r} and {task.id!r} open with the same prompt; "
-                    "TRL hands rollout_func only the prompt, so each task needs its own"
-                )
-            self.tasks[key] = task
+            self.tasks.setdefault(_prompt_key(task_messages(task)), []).append(task)
+        self._turn: Counter[str] = Counter()  # the next variant of each shared prompt
         if not self.tasks:
             raise ValueError("EnvportRolloutFunc needs at least one task")
         self.base_url = base_url
@@ -219,19 +216,43 @@ class EnvportRolloutFunc:
     def stats(self) -> Counter[str]:
         return self.runner.stats.counts
 
-    def _task(self, prompt: Any) -> Task:
-        task = self.tasks.get(_prompt_key(prompt))
-        if task is None:
+    def _variants(self, key: str) -> list[Task]:
+        variants = self.tasks.get(key)
+        if variants is None:
             raise KeyError(
-                f"prompt {_prompt_key(prompt)[:200]} is not one of the {len(self.tasks)} tasks "
-                "this rollout_func was built with; build the dataset with tasks_dataset(tasks)"
+                f"prompt {key[:200]} is not one of the {len(self.tasks)} prompts this "
+                "rollout_func was built with; build the dataset with tasks_dataset(tasks)"
             )
-        return task
+        return variants
 
-    async def _run(self, prompts: Sequence[Any], batch: str) -> list[Rollout]:
+    def _tasks_for(self, prompts: Sequence[Any], group_size: int | None) -> list[Task]:
+        """The task each prompt runs. TRL hands over only the prompt, each one repeated
+        ``num_generations`` times in a row: tasks that share a prompt (the same question
+        on other seeds) are taken in turn, one per group of ``group_size`` repeats (the
+        whole run of repeats without a trainer), so a GRPO group is always one task."""
+        keys = [_prompt_key(p) for p in prompts]
+        chosen: list[Task] = []
+        start = 0
+        while start < len(keys):
+            key = keys[start]
+            variants = self._variants(key)
+            end = start
+            while end < len(keys) and keys[end] == key:
+                end += 1
+            size = group_size if group_size and len(variants) > 1 else end - start
+            for first in range(start, end, size):
+                task = variants[self._turn[key] % len(variants)]
+                self._turn[key] += 1
+                chosen.extend([task] * min(size, end - first))
+            start = end
+        return chosen
+
+    async def _run(
+        self, prompts: Sequence[Any], batch: str, group_size: int | None = None
+    ) -> list[Rollout]:
         import asyncio
 
-        tasks = [self._task(p) for p in prompts]
+        tasks = self._tasks_for(prompts, group_size)
         seen: Counter[str] = Counter()
         indices = []
         for task in tasks:
@@ -257,7 +278,12 @@ class EnvportRolloutFunc:
         self.calls += 1
         step = getattr(getattr(trainer, "state", None), "global_step", None)
         batch = f"{self.run_id}/step{step if step is not None else self.calls}-{self.calls}"
-        rollouts = run_sync(self._run(prompts, batch))
+        group_size = getattr(trainer, "num_generations", None) or getattr(
+            getattr(trainer, "args", None), "num_generations", None
+        )
+        if not isinstance(group_size, int) or group_size < 1:
+            group_size = None
+        rollouts = run_sync(self._run(prompts, batch, group_size))
         self.last_rollouts = rollouts
         if self.on_failure == "raise":
             for r in rollouts:
