@@ -123,3 +123,20 @@ def test_agent_token_cannot_reach_admin_or_other_rollouts(gateway: tuple[str, Pa
         assert other.status_code == 403
         assert other.json()["error"]["message"]
         assert http.post("/v1/chat/completions", json=body).status_code == 401
+
+
+@pytest.mark.parametrize("bad", ["not-a-url", "ftp://host/v1", "http:///v1"])
+def test_gateway_refuses_an_upstream_that_is_not_an_http_url(bad: str) -> None:
+    from tests.support.cli import envport_cli
+
+    result = envport_cli("gateway", "-u", "http://127.0.0.1:9/v1", "-u", bad, timeout=60)
+    assert result.returncode == 2
+    assert f"upstream {bad!r} is not an http(s) URL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_upstream_pool_refuses_a_bad_base_url() -> None:
+    from envport.gateway.upstream import UpstreamPool
+
+    with pytest.raises(ValueError, match="not an http"):
+        UpstreamPool(["localhost:8000/v1"])

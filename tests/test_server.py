@@ -478,6 +478,7 @@ async def test_http_stateful_session(echo_url: str) -> None:
         gone = await http.get("/state", headers=headers)
         assert gone.status_code == 404
         assert gone.json()["error"]["code"] == "SESSION_NOT_FOUND"
+        assert "600 s unused (an HTTP session)" in gone.json()["error"]["message"]
 
 
 async def test_a_tools_only_token_cannot_control_its_session_over_http(echo_url: str) -> None:

@@ -451,7 +451,13 @@ def gateway_command(
     token as OPENAI_BASE_URL / OPENAI_API_KEY (or ANTHROPIC_*).
     """
     from envport.gateway import serve_gateway
+    from envport.gateway.upstream import check_base_url
 
+    for url in upstream:
+        try:
+            check_base_url(url)
+        except ValueError as exc:
+            _fail(str(exc))
     store.parent.mkdir(parents=True, exist_ok=True)
     serve_gateway(
         upstream,

@@ -36,6 +36,7 @@ import random
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -91,6 +92,16 @@ class RetryPolicy:
         """Seconds to wait after failed try number ``attempt`` (1-based)."""
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
         return random.uniform(delay / 2, delay) if self.jitter else delay
+
+
+def check_base_url(url: str) -> None:
+    """Raise ``ValueError`` unless ``url`` is an http(s) URL with a host."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(
+            f"upstream {url!r} is not an http(s) URL with a host "
+            "(an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1)"
+        )
 
 
 @dataclasses.dataclass
@@ -206,6 +217,8 @@ class UpstreamPool:
     ) -> None:
         if not base_urls:
             raise ValueError("an UpstreamPool needs at least one upstream base URL")
+        for url in base_urls:
+            check_base_url(url)
         self.upstreams = [Upstream(u.rstrip("/")) for u in base_urls]
         self.retry = retry or RetryPolicy()
         self.timeout = client_timeout(timeout)

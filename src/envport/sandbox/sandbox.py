@@ -462,7 +462,7 @@ class Sandbox:
         if norm != self.workdir and not norm.startswith(self.workdir + "/"):
             raise SandboxPathError(
                 f"{path!r} is outside the workspace {self.workdir}; the file tools reach only "
-                "the workspace (use exec() for anything else)"
+                "the workspace (run a shell command for anything else)"
             )
         root = self.host_workdir
         target = root / norm[len(self.workdir) :].lstrip("/")

@@ -139,8 +139,10 @@ class SessionManager:
                     "MCP (/mcp) and cannot reset, step, read, resume or close the session."
                 )
             raise SessionNotFoundError(
-                "No live session for that token: it was closed, or its resume grace period "
-                f"({self.config.resume_grace_s:g} s) ran out."
+                "No live session for that token: it was closed, reaped after "
+                f"{self.config.idle_timeout_s:g} s unused (an HTTP session), or its "
+                f"connection dropped more than {self.config.resume_grace_s:g} s ago "
+                "(a WebSocket session)."
             )
         return session
 
