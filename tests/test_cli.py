@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import envport
+from tests.support.cli import pythonpath as support_pythonpath
 
 BIN = Path(sys.executable).parent
 ENVPORT = BIN / "envport"
@@ -52,7 +53,7 @@ def envport_cli(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
     if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+        env["PYTHONPATH"] = support_pythonpath(pythonpath)
     return subprocess.run(
         [str(ENVPORT), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=50
     )
@@ -228,7 +229,7 @@ def test_init_generates_a_package_that_passes_check(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        env={**os.environ, "PYTHONPATH": support_pythonpath(root / "src")},
         timeout=50,
     )
     assert registers.stdout.strip() == "CoinFlipEnv", registers.stderr

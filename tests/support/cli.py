@@ -1,7 +1,9 @@
 """Run the ``envport`` console script as a user runs it: a real subprocess of this venv's.
 
-``CLI_ENV`` puts the repository on ``PYTHONPATH`` (so ``tests.support`` environments load
-by import path) and widens the terminal so rich does not wrap what tests look for.
+``CLI_ENV`` puts the repository first on ``PYTHONPATH`` (so ``tests.support`` environments
+load by import path), keeping an inherited ``PYTHONPATH`` after it (so a checkout run with
+``PYTHONPATH=src`` tests its own ``envport``), and widens the terminal so rich does not
+wrap what tests look for.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from envport.trace import SQLiteTraceStore
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVPORT = str(Path(sys.executable).parent / "envport")
-CLI_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+
+
+def pythonpath(*first: str | Path) -> str:
+    """``first`` then the inherited ``PYTHONPATH``, as one ``PYTHONPATH`` value."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([*(str(p) for p in first), *([inherited] if inherited else [])])
+
+
+CLI_ENV = {**os.environ, "PYTHONPATH": pythonpath(ROOT), "COLUMNS": "200"}
 
 
 def envport_cli(
