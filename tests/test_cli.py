@@ -48,6 +48,15 @@ class GreedyEnv(Env[PickAction, Observation]):
 '''
 
 
+PARROT_MODULE = '''
+from envport.envs.echo import EchoEnv
+
+
+class Parrot(EchoEnv):
+    """Echo, under a name whose id rich would read as an emoji code (:parrot:)."""
+'''
+
+
 def envport_cli(
     *args: str, pythonpath: Path | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -142,7 +151,28 @@ def test_unknown_env_suggests_the_closest_id(command: str) -> None:
 def test_an_import_path_that_does_not_import_says_why() -> None:
     result = envport_cli("check", "no_such_module_xyz:Env")
     assert result.returncode == 2
-    assert "ModuleNotFoundError" in result.stderr
+    assert result.stderr.strip() == (
+        "error: Cannot load environment 'no_such_module_xyz:Env': could not import module "
+        "'no_such_module_xyz' (ModuleNotFoundError: No module named 'no_such_module_xyz')."
+    )
+
+
+def test_an_import_path_without_the_class_names_the_missing_attribute(tmp_path: Path) -> None:
+    (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
+    result = envport_cli("check", "mymodule:Nope", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: Cannot load environment 'mymodule:Nope': module 'mymodule' has no attribute 'Nope'."
+    )
+
+
+def test_check_a_module_in_the_current_directory(tmp_path: Path) -> None:
+    """As the README says: `envport check mymodule:Parrot` from the directory holding
+    mymodule.py, with nothing on PYTHONPATH for it."""
+    (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
+    result = envport_cli("check", "mymodule:Parrot", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "mymodule:Parrot: passed" in result.stdout
 
 
 def test_serve_rejects_bad_option_values_before_starting() -> None:
@@ -155,6 +185,29 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _wait_until_serving(proc: subprocess.Popen[str], base: str) -> None:
+    """Return once the server ``proc`` answers ``base``/health (fail if it exits first)."""
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            health = httpx.get(f"{base}/health", timeout=1)
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.1)
+    assert health.json() == {"status": "healthy"}
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def test_serve_runs_a_server_that_answers_health_and_resets() -> None:
@@ -175,25 +228,37 @@ def test_serve_runs_a_server_that_answers_health_and_resets() -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, proc.communicate()[0]
-            try:
-                health = httpx.get(f"{base}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(0.1)
-        assert health.json() == {"status": "healthy"}
+        _wait_until_serving(proc, base)
         assert "echo" in json.dumps(httpx.get(f"{base}/metadata", timeout=5).json()).lower()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+        _stop(proc)
     assert proc.returncode is not None
+
+
+SERVERS = {
+    "envport serve": [str(ENVPORT), "serve"],
+    "python -m": [sys.executable, "-m", "envport.server"],
+}
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_serve_a_module_in_the_current_directory(tmp_path: Path, server: str) -> None:
+    """`envport serve mymodule:Parrot` from the directory holding mymodule.py."""
+    (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*SERVERS[server], "mymodule:Parrot", "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_until_serving(proc, base)
+        assert httpx.get(f"{base}/metadata", timeout=5).json()["name"] == "Parrot"
+    finally:
+        _stop(proc)
 
 
 def test_init_generates_a_package_that_passes_check(tmp_path: Path) -> None:

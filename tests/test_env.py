@@ -174,8 +174,10 @@ def test_registry_versions_paths_and_suggestions() -> None:
         envport.make("countr-v1")
     assert unknown.value.suggestion == "counter-v1"
     assert "echo-v1" in str(unknown.value)
-    with pytest.raises(UnknownEnvError):
+    with pytest.raises(UnknownEnvError, match=r"module 'tests\.test_env' has no attribute 'Nope'"):
         envport.make("tests.test_env:Nope")
+    with pytest.raises(UnknownEnvError, match=r"could not import module 'tests\.nowhere' \(Modu"):
+        envport.make("tests.nowhere:Env")
     assert {"echo-v1", "arithmetic-v1", "sql-db-v1"} <= set(envport.registered())
 
 

@@ -389,6 +389,44 @@ def test_cli_eval_records_malformed_task_lines_and_unservable_envs_as_failed_run
     assert json.loads(again.stdout)["rollouts"] == 6
 
 
+CWD_MODULE = '''
+from envport.envs.echo import EchoEnv
+
+
+class Parrot(EchoEnv):
+    """Echo under another name."""
+'''
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("eval", "--serve-envs"),
+        ("eval", "--in-process"),
+        ("run", "--backend", "inprocess"),
+        ("run", "--backend", "local"),
+    ],
+    ids=" ".join,
+)
+def test_cli_runs_import_a_module_env_from_the_current_directory(
+    tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """Tasks whose env_id is `mymodule:Parrot`, run from the directory holding mymodule.py
+    (not on PYTHONPATH): every command finds the environment."""
+    (tmp_path / "mymodule.py").write_text(CWD_MODULE)
+    task = {"id": "p", "prompt": "say hi", "env_id": "mymodule:Parrot"}
+    (tmp_path / "tasks.jsonl").write_text(json.dumps(task) + "\n")
+    verb, *options = command
+    result = envport_cli(
+        verb, "tasks.jsonl", *options, "--store", "runs.db", "--json", cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["errors_by_kind"] == {}, result.stderr
+    assert summary["completed" if verb == "eval" else "succeeded"] == 1
+    assert "not serving" not in result.stderr
+
+
 def test_cli_eval_harbor_task_dir(tmp_path: Path) -> None:
     """A Harbor task directory runs through `envport eval`, scored by its tests/test.sh."""
     task = tmp_path / "make-hello"

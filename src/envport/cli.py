@@ -44,7 +44,8 @@ EnvArg = Annotated[
     str,
     typer.Argument(
         help="A registered id ([bold]echo-v1[/]; [bold]echo[/] takes the newest version) "
-        "or an import path ([bold]package.module:Class[/]).",
+        "or an import path ([bold]package.module:Class[/]; modules in the current "
+        "directory import too).",
         show_default=False,
     ),
 ]
@@ -65,9 +66,10 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _fail_env(exc: Exception) -> NoReturn:
+    """Fail with an environment error's message, and its cause where it does not say it."""
     message = exc.message if isinstance(exc, EnvportError) else str(exc)
     cause = exc.__cause__
-    if cause is not None:
+    if cause is not None and str(cause) not in message:
         message += f"\n  caused by {type(cause).__name__}: {cause}"
     _fail(message)
 
@@ -98,6 +100,9 @@ def _root(
 
     Training: [bold]train-demo[/] (GRPO on this CPU, end to end).
     """
+    from envport.registry import import_from_cwd
+
+    import_from_cwd()  # as uvicorn's default --app-dir . does
 
 
 # --- serve ----------------------------------------------------------------------------

@@ -102,11 +102,19 @@ class EnvFactoryError(EnvError):
 
 
 class UnknownEnvError(EnvError, LookupError):
-    """No environment is registered under this id."""
+    """No environment is registered under this id, or its import path does not load.
+
+    For an id, the message lists the registered ones and suggests the closest; for a
+    ``package.module:Class`` path, ``reason`` says what failed (the import, the attribute).
+    """
 
     code = ErrorCode.FACTORY_ERROR
 
-    def __init__(self, env_id: str, known: Iterable[str]) -> None:
+    def __init__(self, env_id: str, known: Iterable[str], *, reason: str | None = None) -> None:
+        if reason is not None:
+            super().__init__(f"Cannot load environment {env_id!r}: {reason}.", env_id=env_id)
+            self.suggestion: str | None = None
+            return
         known = sorted(known)
         close = difflib.get_close_matches(env_id, known, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -4,14 +4,22 @@
 registered version; ``make("package.module:Class")`` imports a class directly. Third-party
 packages register through the ``envport.envs`` entry-point group (a callable run once,
 on first lookup). Unknown ids raise :class:`~envport.errors.UnknownEnvError`, which
-lists what exists and suggests the closest id.
+lists what exists and suggests the closest id; an import path that does not load raises
+it too, saying what failed (the module's import, or the missing attribute).
+
+Import paths import from ``sys.path``. The ``envport`` command and ``python -m
+envport.server`` put the current directory first on it (:func:`import_from_cwd`, what
+uvicorn's default ``--app-dir .`` does), so ``envport serve mymodule:Env`` works from the
+directory holding ``mymodule.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -110,21 +118,41 @@ def make(env_id: str, **kwargs: Any) -> Env[Any, Any]:
     return spec(env_id).make(**kwargs)
 
 
+def import_from_cwd() -> None:
+    """Put the current directory first on ``sys.path`` (once), so that ``module:Class``
+    paths import modules from it, as uvicorn's default ``--app-dir .`` and ``python -m``
+    do. Entry points (the CLI, ``python -m envport.server``) call this; the library
+    itself never changes ``sys.path``."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed: nothing to import from
+        return
+    if not sys.path or sys.path[0] not in ("", cwd):
+        sys.path.insert(0, cwd)
+
+
 def load_entry_point(path: str) -> EnvFactory:
-    """Import ``package.module:Attr``."""
+    """Import ``package.module:Attr``.
+
+    A module that does not import, or lacks the attribute, raises
+    :class:`~envport.errors.UnknownEnvError` saying which (the import's own exception is
+    its ``__cause__``).
+    """
     module_name, _, attr = path.partition(":")
-    if not attr:
+    if not module_name or not attr:
         raise ValueError(f"Entry point {path!r} must look like 'package.module:Class'.")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UnknownEnvError(path, _registry) from exc
+    except Exception as exc:  # whatever importing the module raised: one clear error
+        reason = f"could not import module {module_name!r} ({type(exc).__name__}: {exc})"
+        raise UnknownEnvError(path, _registry, reason=reason) from exc
     try:
         target = module
         for part in attr.split("."):
             target = getattr(target, part)
     except AttributeError as exc:
-        raise UnknownEnvError(path, _registry) from exc
+        reason = f"module {module_name!r} has no attribute {attr!r}"
+        raise UnknownEnvError(path, _registry, reason=reason) from exc
     if not callable(target):
         raise TypeError(f"{path!r} is not callable")
     return target

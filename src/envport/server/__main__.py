@@ -1,11 +1,15 @@
-"""``python -m envport.server ENV [--host H] [--port P]``: serve without the CLI."""
+"""``python -m envport.server ENV [--host H] [--port P]``: serve without the CLI.
+
+A ``module:Class`` ENV imports from the current directory first, as with ``envport serve``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from envport.registry import resolve
+from envport.errors import EnvportError
+from envport.registry import import_from_cwd, resolve
 from envport.server import ServerConfig, serve
 
 
@@ -28,7 +32,11 @@ def main() -> None:
         parser.error(f"--env-options is not JSON: {exc}")
     if not isinstance(options, dict):
         parser.error("--env-options must be a JSON object")
-    factory, _ = resolve(args.env, options)
+    import_from_cwd()
+    try:
+        factory, _ = resolve(args.env, options)
+    except (EnvportError, ValueError, TypeError) as exc:
+        parser.error(exc.message if isinstance(exc, EnvportError) else str(exc))
     serve(
         factory,
         host=args.host,
