@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -173,6 +174,41 @@ def test_check_a_module_in_the_current_directory(tmp_path: Path) -> None:
     result = envport_cli("check", "mymodule:Parrot", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "mymodule:Parrot: passed" in result.stdout
+
+
+def test_check_prints_an_import_path_id_as_written(tmp_path: Path) -> None:
+    """rich would print "mymodule:Parrot: passed" as "mymodule🦜 passed"."""
+    (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
+    result = envport_cli("check", "mymodule:Parrot", pythonpath=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    verdict = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"mymodule:Parrot: passed \(\d+ pass(, \d+ (warn|skip))*\)", verdict), (
+        verdict
+    )
+    assert "envport check: mymodule:Parrot" in result.stdout  # the table's title
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ("check", "mymodule:thumbs_up:"),
+            "error: Cannot load environment 'mymodule:thumbs_up:': module 'mymodule' has no "
+            "attribute 'thumbs_up:'.",
+        ),
+        (
+            ("traces", "list", "--store", "x:smile:.db"),
+            "error: No trace store at x:smile:.db; run `envport eval` first or pass --store.",
+        ),
+    ],
+)
+def test_user_text_in_errors_prints_as_written(
+    tmp_path: Path, args: tuple[str, ...], line: str
+) -> None:
+    (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
+    result = envport_cli(*args, pythonpath=tmp_path, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == line
 
 
 def test_serve_rejects_bad_option_values_before_starting() -> None:

@@ -37,8 +37,9 @@ app = typer.Typer(
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-out = Console()
-err = Console(stderr=True)
+# No emoji codes: user text such as "mymodule:Parrot: passed" must print as written.
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
 
 EnvArg = Annotated[
     str,

@@ -13,12 +13,14 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from envport.errors import EnvportError
 
-out = Console()
-err = Console(stderr=True)
+# No emoji codes: user text (task ids, paths, messages) prints as written.
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False)
 
 DEFAULT_STORE = Path("runs/envport.db")
 StoreOpt = Annotated[Path, typer.Option("--store", help="SQLite trace store (created if missing).")]
@@ -40,7 +42,7 @@ MaxTurnsOpt = Annotated[int, typer.Option(min=1)]
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -97,7 +99,8 @@ def env_servers(env_ids: set[str]) -> Iterator[dict[str, str]]:
             try:
                 app = create_app(env_id, config)
             except EnvportError as exc:  # its tasks fail, in-process, as environment errors
-                err.print(f"[yellow]note:[/] not serving {env_id!r}: {exc}", soft_wrap=True)
+                note = escape(f"not serving {env_id!r}: {exc}")
+                err.print(f"[yellow]note:[/] {note}", soft_wrap=True)
                 continue
             urls[env_id] = stack.enter_context(serve_in_thread(app, config=config))
         yield urls
@@ -145,8 +148,11 @@ def eval_command(
     )
     if invalid and not as_json:
         err.print(
-            f"[yellow]note:[/] {len(invalid)} malformed task(s) in {taskset}, each recorded "
-            f"as a failed trace (kind 'task'); first: {invalid[0]}",
+            "[yellow]note:[/] "
+            + escape(
+                f"{len(invalid)} malformed task(s) in {taskset}, each recorded as a failed "
+                f"trace (kind 'task'); first: {invalid[0]}"
+            ),
             soft_wrap=True,
         )
     with ExitStack() as stack:

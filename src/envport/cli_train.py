@@ -22,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 # Wide enough for the per-iteration table when the output is piped (make demo | tee).
-out = Console() if sys.stdout.isatty() else Console(width=140)
+# No emoji codes, as in the other commands: text prints as written.
+out = Console(emoji=False) if sys.stdout.isatty() else Console(width=140, emoji=False)
 
 DEFAULT_OUT = Path("runs/train-demo")
 
