@@ -360,6 +360,29 @@ def test_init_generated_tests_pass(tmp_path: Path) -> None:
     assert "3 passed" in result.stdout
 
 
+def test_init_prints_next_steps_that_install_the_test_extra(tmp_path: Path) -> None:
+    result = envport_cli("init", "coin-flip", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    steps = result.stdout.split("Next:\n")[1].splitlines()
+    assert [line.strip() for line in steps] == [
+        f"cd {tmp_path / 'coin-flip'}",
+        "pip install -e '.[test]'",  # pytest comes with the [test] extra
+        "envport check coin-flip-v1",
+        "pytest",
+    ]
+
+
+@pytest.mark.parametrize("name", ["echo", "guess-number"])
+def test_init_refuses_a_name_already_registered(tmp_path: Path, name: str) -> None:
+    result = envport_cli("init", name, "--dir", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: {name!r} is already registered ({name}-v1): a new package's "
+        f"'{name}-v1' would collide with it. Pick another name."
+    )
+    assert not any(tmp_path.iterdir())
+
+
 def test_init_refuses_a_non_empty_directory_and_bad_names(tmp_path: Path) -> None:
     assert envport_cli("init", "coin-flip", "--dir", str(tmp_path)).returncode == 0
     again = envport_cli("init", "coin-flip", "--dir", str(tmp_path))

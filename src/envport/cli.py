@@ -269,14 +269,11 @@ def init(
     out.print(f"Created [bold]{escape(str(root))}[/] ({names.env_id}):")
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         out.print(f"  {escape(str(path.relative_to(root)))}")
-    out.print(
-        "\nNext:\n"
-        f"  cd {escape(str(root))}\n"
-        "  pip install -e '.[test]'\n"
-        f"  envport check {names.env_id}\n"
-        "  pytest",
-        soft_wrap=True,
+    steps = (  # plain text: "[test]" would be read as markup
+        f"\nNext:\n  cd {root}\n  pip install -e '.[test]'\n"
+        f"  envport check {names.env_id}\n  pytest"
     )
+    out.print(escape(steps), soft_wrap=True)
 
 
 # --- envs -----------------------------------------------------------------------------

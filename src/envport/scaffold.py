@@ -76,9 +76,19 @@ def render(names: Names) -> dict[str, str]:
 def scaffold(name: str, parent: Path) -> Path:
     """Write a new project for ``name`` into ``parent/name`` and return its path.
 
-    Refuses to write into a directory that already has files in it.
+    Refuses to write into a directory that already has files in it, and a name that is
+    already registered (a built-in or an installed package's, in any version): the new
+    package's ``NAME-v1`` would collide with it, and ``make(NAME)`` would pick either.
     """
+    from envport.registry import parse_id, registered
+
     names = names_for(name)
+    taken = sorted(env_id for env_id in registered() if parse_id(env_id)[0] == name)
+    if taken:
+        raise ScaffoldError(
+            f"{name!r} is already registered ({', '.join(taken)}): a new package's "
+            f"{names.env_id!r} would collide with it. Pick another name."
+        )
     root = parent / name
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ScaffoldError(f"{root} already exists and is not empty; choose another --dir.")
