@@ -383,6 +383,27 @@ def test_init_refuses_a_name_already_registered(tmp_path: Path, name: str) -> No
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("command", "creates"),
+    [
+        (["traces", "list"], False),
+        (["traces", "runs"], False),
+        (["traces", "show"], False),
+        (["traces", "export"], False),
+        (["traces", "import"], True),
+        (["eval"], True),
+        (["run"], True),
+        (["gateway"], True),
+    ],
+)
+def test_store_help_says_whether_the_store_is_created(command: list[str], creates: bool) -> None:
+    result = envport_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if "--store" in line)
+    assert ("created if missing" in line) is creates, line
+    assert ("must exist" in line) is not creates, line
+
+
 def test_init_refuses_a_non_empty_directory_and_bad_names(tmp_path: Path) -> None:
     assert envport_cli("init", "coin-flip", "--dir", str(tmp_path)).returncode == 0
     again = envport_cli("init", "coin-flip", "--dir", str(tmp_path))

@@ -23,7 +23,11 @@ out = Console(emoji=False)
 err = Console(stderr=True, emoji=False)
 
 DEFAULT_STORE = Path("runs/envport.db")
+# Commands that write traces create the store; those that read them need it to exist.
 StoreOpt = Annotated[Path, typer.Option("--store", help="SQLite trace store (created if missing).")]
+ExistingStoreOpt = Annotated[
+    Path, typer.Option("--store", help="SQLite trace store to read (it must exist).")
+]
 
 # Options `eval` and `run` share.
 ModelOpt = Annotated[
@@ -280,7 +284,7 @@ def _open(store: Path) -> Any:
 
 @traces_app.command("list")
 def traces_list(
-    store: StoreOpt = DEFAULT_STORE,
+    store: ExistingStoreOpt = DEFAULT_STORE,
     run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
     task: Annotated[str | None, typer.Option(help="Only this task id.")] = None,
     status: Annotated[str | None, typer.Option(help="completed, failed, …")] = None,
@@ -309,7 +313,7 @@ def traces_list(
 
 
 @traces_app.command("runs")
-def traces_runs(store: StoreOpt = DEFAULT_STORE) -> None:
+def traces_runs(store: ExistingStoreOpt = DEFAULT_STORE) -> None:
     """The runs in the store, with counts by status."""
     from rich.table import Table
 
@@ -328,7 +332,7 @@ def traces_runs(store: StoreOpt = DEFAULT_STORE) -> None:
 @traces_app.command("show")
 def traces_show(
     trace_id: Annotated[str, typer.Argument(show_default=False)],
-    store: StoreOpt = DEFAULT_STORE,
+    store: ExistingStoreOpt = DEFAULT_STORE,
     as_json: Annotated[bool, typer.Option("--json", help="The raw trace as JSON.")] = False,
     tokens: Annotated[
         bool, typer.Option("--tokens", help="Every token id and logprob of every model call.")
@@ -358,7 +362,7 @@ EXPORT_FORMATS = ("trace", "rows", "prime-rl", "art")
 @traces_app.command("export")
 def traces_export(
     path: Annotated[Path, typer.Argument(help="Output file: .jsonl or .parquet.")],
-    store: StoreOpt = DEFAULT_STORE,
+    store: ExistingStoreOpt = DEFAULT_STORE,
     run: Annotated[str | None, typer.Option(help="Only this run id.")] = None,
     fmt: Annotated[
         str,
