@@ -297,6 +297,28 @@ def test_serve_a_module_in_the_current_directory(tmp_path: Path, server: str) ->
         _stop(proc)
 
 
+@pytest.mark.parametrize("value", ["bogus", ""])
+@pytest.mark.parametrize("server", SERVERS)
+def test_serve_rejects_an_unknown_ws_impl_in_one_line(value: str, server: str) -> None:
+    """ENVPORT_WS_IMPL bogus or empty: one error line naming the valid values, no server."""
+    result = subprocess.run(
+        [*SERVERS[server], "echo-v1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", "ENVPORT_WS_IMPL": value},
+        timeout=50,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].endswith(
+        f"ENVPORT_WS_IMPL={value!r} is not a WebSocket implementation; use one of: "
+        "envport, websockets-sansio, websockets-sansio-stock, websockets, wsproto."
+    )
+    if server == "envport serve":
+        assert len(lines) == 1  # (python -m prints argparse's usage above it)
+
+
 def test_init_generates_a_package_that_passes_check(tmp_path: Path) -> None:
     result = envport_cli("init", "coin-flip", "--dir", str(tmp_path))
     assert result.returncode == 0, result.stderr

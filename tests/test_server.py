@@ -572,3 +572,25 @@ def test_server_module_refuses_bad_env_options(value: str, message: str) -> None
     )
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["bogus", ""])
+def test_uvicorn_config_refuses_an_unknown_ws_impl(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from envport.server import create_app, uvicorn_config
+
+    config = ServerConfig()
+    app = create_app("echo-v1", config)
+    monkeypatch.setenv("ENVPORT_WS_IMPL", value)
+    with pytest.raises(ValueError, match=rf"ENVPORT_WS_IMPL={value!r} .*use one of: envport, "):
+        uvicorn_config(app, host="127.0.0.1", port=0, config=config)
+    for name in (
+        "envport",
+        "websockets-sansio",
+        "websockets-sansio-stock",
+        "websockets",
+        "wsproto",
+    ):
+        monkeypatch.setenv("ENVPORT_WS_IMPL", name)
+        assert uvicorn_config(app, host="127.0.0.1", port=0, config=config).ws is not None

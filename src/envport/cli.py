@@ -172,7 +172,12 @@ def serve(
         stall_exit_s=stall_exit,
     )
     from envport.server import serve as run_server  # heavy; only this command needs it
+    from envport.server import ws_impl
 
+    try:
+        ws_impl()  # ENVPORT_WS_IMPL, checked before uvicorn would fail on it
+    except ValueError as exc:
+        _fail(str(exc))
     run_server(env, host=host, port=port, config=config, log_level=log_level.value)
 
 

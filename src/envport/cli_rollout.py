@@ -46,6 +46,7 @@ from envport.cli_runs import (
     RolloutsOpt,
     StoreOpt,
     _fail,
+    check_ws_impl,
     err,
     load_tasks,
     local_scripted_model,
@@ -271,6 +272,7 @@ def _backend_factory(
     from envport.rollout import InProcessBackend, LocalProcessBackend
 
     if name is BackendName.LOCAL:
+        check_ws_impl()  # its servers read ENVPORT_WS_IMPL
         return lambda: LocalProcessBackend(state_dir)
     if name is BackendName.SANDBOX:
         from envport.rollout.backends.sandbox import SandboxBackend
@@ -289,6 +291,7 @@ def _backend_factory(
                 "[yellow]No sandbox isolation here; --allow-unisolated: running "
                 "environments as local processes (--backend local).[/]"
             )
+            check_ws_impl()
             return lambda: LocalProcessBackend(state_dir)
         # Sandboxes die with the controller that made them; a killed controller leaves
         # their mounts and cgroups, which go now (those of live processes are kept).

@@ -80,6 +80,17 @@ def load_tasks(
     return task_list
 
 
+def check_ws_impl() -> None:
+    """Exit with one line if ``ENVPORT_WS_IMPL`` names no WebSocket implementation, before
+    an environment server that would read it starts."""
+    from envport.server import ws_impl
+
+    try:
+        ws_impl()
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 @contextmanager
 def local_scripted_model() -> Iterator[str]:
     """Start envport's scripted OpenAI-compatible server; yields its ``/v1`` base URL."""
@@ -150,6 +161,8 @@ def eval_command(
     task_list = load_tasks(
         taskset, limit, resume=resume, run_id=run_id, store=store, invalid=invalid
     )
+    if serve_envs:
+        check_ws_impl()
     if invalid and not as_json:
         err.print(
             "[yellow]note:[/] "

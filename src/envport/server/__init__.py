@@ -13,7 +13,39 @@ from envport.server.app import create_app
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.session import EnvFactory
 
-__all__ = ["ServerConfig", "SessionManager", "create_app", "serve", "uvicorn_config"]
+__all__ = [
+    "WS_IMPLEMENTATIONS",
+    "ServerConfig",
+    "SessionManager",
+    "create_app",
+    "serve",
+    "uvicorn_config",
+    "ws_impl",
+]
+
+#: The values ``ENVPORT_WS_IMPL`` may take (see :func:`_ws_protocol`); the first is the default.
+WS_IMPLEMENTATIONS = (
+    "envport",
+    "websockets-sansio",
+    "websockets-sansio-stock",
+    "websockets",
+    "wsproto",
+)
+
+
+def ws_impl() -> str:
+    """The WebSocket implementation ``ENVPORT_WS_IMPL`` names (unset: ``envport``).
+
+    Raises ``ValueError``, naming the valid values, for any other value (an empty one
+    too), so that a server fails with one clear line before it starts.
+    """
+    name = os.environ.get("ENVPORT_WS_IMPL", WS_IMPLEMENTATIONS[0])
+    if name not in WS_IMPLEMENTATIONS:
+        raise ValueError(
+            f"ENVPORT_WS_IMPL={name!r} is not a WebSocket implementation; "
+            f"use one of: {', '.join(WS_IMPLEMENTATIONS)}."
+        )
+    return name
 
 
 def uvicorn_config(
@@ -23,7 +55,8 @@ def uvicorn_config(
 
     ``ENVPORT_WS_IMPL`` picks the WebSocket implementation: ``envport``, the default
     (:mod:`envport.server.fastws`), ``websockets-sansio`` (every frame through ASGI),
-    ``websockets-sansio-stock``, ``websockets`` or ``wsproto`` (see :func:`_ws_protocol`).
+    ``websockets-sansio-stock``, ``websockets`` or ``wsproto`` (see :func:`_ws_protocol`);
+    any other value raises ``ValueError`` (:func:`ws_impl`).
     ``ENVPORT_WS_DEFLATE=1`` turns permessage-deflate on; it is off by default because
     compressing small JSON frames costs more CPU than it saves on a LAN.
     ``ENVPORT_LOOP`` is uvicorn's ``loop`` (``auto``: uvloop when it is installed).
@@ -35,7 +68,7 @@ def uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
-        ws=_ws_protocol(os.environ.get("ENVPORT_WS_IMPL", "envport")),
+        ws=_ws_protocol(ws_impl()),
         ws_per_message_deflate=os.environ.get("ENVPORT_WS_DEFLATE", "0") == "1",
         loop=os.environ.get("ENVPORT_LOOP", "auto"),
         # Frames up to twice the limit reach the app, which answers PAYLOAD_TOO_LARGE
@@ -56,7 +89,13 @@ def _ws_protocol(name: str) -> Any:
     uvicorn's sans-I/O protocol for the handshake, envport's frame loop for ``/ws``.
     ``websockets-sansio``: the same protocol with every frame through ASGI (its flow
     control fix kept). ``websockets-sansio-stock``, ``websockets``, ``wsproto``: uvicorn's own.
+    Any other name raises ``ValueError``.
     """
+    if name not in WS_IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown WebSocket implementation {name!r}; "
+            f"use one of: {', '.join(WS_IMPLEMENTATIONS)}."
+        )
     if name == "websockets-sansio-stock":
         return "websockets-sansio"
     if name not in ("envport", "websockets-sansio"):

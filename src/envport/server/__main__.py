@@ -10,7 +10,7 @@ import json
 
 from envport.errors import EnvportError
 from envport.registry import import_from_cwd, resolve
-from envport.server import ServerConfig, serve
+from envport.server import ServerConfig, serve, ws_impl
 
 
 def main() -> None:
@@ -32,6 +32,10 @@ def main() -> None:
         parser.error(f"--env-options is not JSON: {exc}")
     if not isinstance(options, dict):
         parser.error("--env-options must be a JSON object")
+    try:
+        ws_impl()
+    except ValueError as exc:
+        parser.error(str(exc))
     import_from_cwd()
     try:
         factory, _ = resolve(args.env, options)
