@@ -15,7 +15,7 @@ from envport.harness import AgentConfig, ChatModel
 from envport.policy import create_policy_app
 from envport.serving import free_port, serve_in_thread
 from envport.tasks import Task, load
-from envport.trace import AsyncTraceStore, SQLiteTraceStore, TraceStatus
+from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace, TraceStatus
 from tests.support.cli import CLI_ENV, envport_cli
 
 WIDE = {**CLI_ENV, "COLUMNS": "220"}
@@ -387,6 +387,22 @@ def test_cli_eval_records_malformed_task_lines_and_unservable_envs_as_failed_run
     )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["rollouts"] == 6
+
+
+def test_cli_eval_refuses_a_used_run_id_before_starting_anything(tmp_path: Path) -> None:
+    """A --run-id that has traces, without --resume: one error line, and no stand-in model
+    server started, no progress bar drawn."""
+    db = tmp_path / "runs.db"
+    with SQLiteTraceStore(db) as store:
+        store.put(Trace(run_id="R1", task_id="t", status=TraceStatus.COMPLETED))
+    args = ("builtin:arithmetic", "--limit", "1", "--store", str(db), "--run-id", "R1")
+    result = envport_cli("eval", *args, env=WIDE, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""  # neither "No --model given: using …" nor "eval ━━━"
+    assert result.stderr.strip() == (
+        f"error: run 'R1' already has 1 traces in {db}; finish it with --resume or choose "
+        "another --run-id"
+    )
 
 
 CWD_MODULE = '''

@@ -46,6 +46,7 @@ from envport.cli_runs import (
     RolloutsOpt,
     StoreOpt,
     _fail,
+    check_new_run,
     check_ws_impl,
     err,
     load_tasks,
@@ -194,15 +195,7 @@ def run_command(
         max_episodes=max_episodes,
     )
     specs = [RolloutSpec(task, k) for task in task_list for k in range(rollouts)]
-    if not resume and store.exists():
-        from envport.trace import SQLiteTraceStore
-
-        with SQLiteTraceStore(store) as db:
-            if db.count(run_id=run_id):
-                _fail(
-                    f"run {run_id!r} already has traces in {store}; finish it with --resume "
-                    "or choose another --run-id"
-                )
+    check_new_run(store, run_id, resume=resume)
     backend_factory = _backend_factory(
         backend,
         state_dir=state_dir or store.parent / "instances",

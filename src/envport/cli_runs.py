@@ -80,6 +80,22 @@ def load_tasks(
     return task_list
 
 
+def check_new_run(store: Path, run_id: str | None, *, resume: bool) -> None:
+    """Exit with a clear error if ``run_id`` already has traces in ``store`` and this is
+    not a ``--resume``: before any server starts or any progress shows."""
+    if resume or run_id is None or not store.exists():
+        return
+    from envport.trace import SQLiteTraceStore
+
+    with SQLiteTraceStore(store) as db:
+        n = db.count(run_id=run_id)
+    if n:
+        _fail(
+            f"run {run_id!r} already has {n} traces in {store}; finish it with --resume "
+            "or choose another --run-id"
+        )
+
+
 def check_ws_impl() -> None:
     """Exit with one line if ``ENVPORT_WS_IMPL`` names no WebSocket implementation, before
     an environment server that would read it starts."""
@@ -161,6 +177,7 @@ def eval_command(
     task_list = load_tasks(
         taskset, limit, resume=resume, run_id=run_id, store=store, invalid=invalid
     )
+    check_new_run(store, run_id, resume=resume)
     if serve_envs:
         check_ws_impl()
     if invalid and not as_json:
