@@ -11,9 +11,10 @@ speaks WebSocket over. The launch's limits become the sandbox's cgroup limits;
 ``network=True`` shares the host's network.
 
 The sandbox binds the controller's Python (its prefix, the virtual environment, and
-envport's source directory) read-only, so the server runs the same code. Instances do
-not outlive the controller (a sandbox dies with its parent), so :meth:`list` reports the
-live instances this backend object started.
+envport's source directory, put on the server's ``PYTHONPATH`` when it lies outside
+them) read-only, so the server runs the same code. Instances do not outlive the
+controller (a sandbox dies with its parent), so :meth:`list` reports the live instances
+this backend object started.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ def python_binds() -> dict[str, Path]:
             continue
         binds[str(path)] = path
     return binds
+
+
+def source_path() -> str | None:
+    """envport's source directory when the interpreter's own paths may not lead to it (a
+    source tree on ``PYTHONPATH``, an editable install's other checkout): the server in
+    the sandbox imports envport from there, the same code as this process."""
+    root = Path(envport.__file__).resolve().parent.parent
+    prefixes = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    return None if any(root.is_relative_to(p) for p in prefixes) else str(root)
 
 
 class SandboxBackend(Backend):
@@ -104,7 +114,10 @@ class SandboxBackend(Backend):
             argv = [sys.executable, "-m", "envport.rollout.backends.sandbox", launch.env_id]
             argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--sessions", str(launch.sessions)]
             argv += ["--options", json.dumps(launch.options), "--instance-id", instance_id]
-            started = await sb.exec(f"{shlex.join(argv)} > /tmp/{LOG_NAME} 2>&1 &")
+            command = shlex.join(argv)
+            if (source := source_path()) is not None:
+                command = f"PYTHONPATH={shlex.quote(source)}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
+            started = await sb.exec(f"{command} > /tmp/{LOG_NAME} 2>&1 &")
             if started.exit_code != 0:
                 raise BackendError(f"could not launch the server: {started.stderr.strip()}")
             instance = EnvInstance(
