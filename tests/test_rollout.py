@@ -11,6 +11,7 @@ from typing import ClassVar
 
 import pytest
 
+from envport.errors import EnvportError
 from envport.rollout import (
     AttemptState,
     Backend,
@@ -208,6 +209,25 @@ async def test_pool_lease_cancelled_while_starting_leaks_nothing() -> None:
     assert pool.stats().starting == 0
     assert backend.started == []
     await pool.aclose()
+
+
+class RefusingBackend(CountingBackend):
+    """Every start fails at once, as for an environment no server can build."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tries = 0
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        self.tries += 1
+        raise EnvportError(f"Unknown environment {launch.env_id!r}.")
+
+
+async def test_pool_tries_a_failed_warm_start_again_later_not_at_once() -> None:
+    backend = RefusingBackend()
+    async with EnvPool(backend, EnvLaunch(env_id="nope-v1"), size=2, health_interval_s=0.1):
+        await asyncio.sleep(0.5)
+    assert 2 <= backend.tries <= 2 * 8  # a round of 2 every 0.1 s, not a spin
 
 
 # --- the local-process backend ------------------------------------------------------------------

@@ -20,7 +20,9 @@ ahead of demand and hands out *leases*, one session slot of one instance each::
   retry never waits for an old server to shut down.
 * **Maintenance.** :meth:`maintain` (run by the owner's task group, or by ``async with
   pool``) tops the pool up to ``size``, health-checks idle instances every
-  ``health_interval_s`` and stops retired ones. :meth:`aclose` stops everything left.
+  ``health_interval_s`` and stops retired ones. :meth:`aclose` stops everything left. A
+  warm start that failed is tried again ``health_interval_s`` later, not at once: a start
+  that fails at once (an unknown environment) must not spin.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class EnvPool:
         self._started = 0
         self._retired = 0
         self._stop_failures = 0
+        self._warm_after = 0.0  # no warm start before this (monotonic): one just failed
         self._closed = False
         self._changed = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -231,7 +234,10 @@ class EnvPool:
         try:
             instance = await self.backend.start(self.launch)
         except Exception:
-            return  # counted as not started; the next round tries again
+            # Counted as not started; tried again a health interval later, not at once.
+            self._warm_after = time.monotonic() + self.health_interval_s
+            _log.debug("could not warm an instance of %s", self.launch.env_id, exc_info=True)
+            return
         finally:
             self._starting -= 1
             self._notify()
@@ -274,9 +280,10 @@ class EnvPool:
             while not self._closed:
                 while self._to_stop:
                     tg.create_task(self._stop(self._to_stop.pop()))
-                for _ in range(self.size - self._count()):
-                    tg.create_task(self._warm_one())
                 now = time.monotonic()
+                if now >= self._warm_after:
+                    for _ in range(self.size - self._count()):
+                        tg.create_task(self._warm_one())
                 for slot in list(self._slots.values()):
                     stale = now - slot.checked_at >= self.health_interval_s
                     if slot.retiring is None and slot.leases == 0 and stale:
