@@ -302,6 +302,34 @@ async def test_a_sandbox_failure_across_the_wire_is_classified_and_retried(
     assert "shell died" in (first.error_message or "")
 
 
+@pytest.mark.parametrize("backend_name", ["inprocess", "local"])
+async def test_an_environment_no_server_can_build_fails_once_as_the_environment_s(
+    store: AsyncTraceStore, tmp_path: Path, backend_name: str
+) -> None:
+    """An unknown id, or a class that does not import: the same one-line environment
+    error on every backend, and not retried (a retry would only start a server again)."""
+    tasks = [
+        Task(id="unknown", prompt="go", env_id="nope-v1"),
+        Task(id="no-module", prompt="go", env_id="tests.support.no_such_module:Env"),
+    ]
+    config = ControllerConfig(max_attempts=3, **FAST)
+    async with (
+        InProcessBackend()
+        if backend_name == "inprocess"
+        else LocalProcessBackend(tmp_path / "instances", cwd=ROOT)
+    ) as backend:
+        ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
+        summary = await ctl.run([RolloutSpec(t) for t in tasks])
+    assert (summary.failed, summary.retried, summary.attempts) == (2, 0, 2)
+    assert summary.errors_by_kind == {"environment": 2}
+    for t in tasks:
+        (trace,) = await store.query(rollout_id=f"r/{t.id}/0")
+        (error,) = trace.errors
+        assert (error.kind.value, error.where) == ("environment", "env_start")
+        assert error.message.startswith(f"Unknown environment {t.env_id!r}.")
+        assert "\n" not in error.message
+
+
 def test_classify_tells_sandbox_failures_from_bad_requests() -> None:
     from envport.errors import from_wire
     from envport.rollout.controller import classify

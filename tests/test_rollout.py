@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from envport.errors import EnvportError
+from envport.errors import EnvportError, UnknownEnvError
 from envport.rollout import (
     AttemptState,
     Backend,
@@ -25,6 +25,7 @@ from envport.rollout import (
     PoolClosedError,
     RolloutState,
 )
+from envport.rollout.backends.local import last_words
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
 from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
 from tests.support.backends import echo
@@ -242,6 +243,7 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
         assert instance.start_latency_s is not None
         assert await first.healthy(instance)
         assert await echo(instance, "hi") == "hi"
+        log = await asyncio.to_thread(Path(instance.meta["log"]).read_text)
         assert [i.instance_id for i in await first.list({"envport-run": "r1"})] == [
             instance.instance_id
         ]
@@ -255,6 +257,8 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
         assert not await first.healthy(instance)
         assert await first.list() == []
     assert list(state.iterdir()) == []
+    # The server's module ran once, by -m: no runpy warning about a copy already imported.
+    assert "RuntimeWarning" not in log
 
 
 async def test_local_backend_forgets_every_file_of_an_instance_found_dead(
@@ -279,11 +283,61 @@ async def test_local_backend_start_failure_names_the_cause_and_leaves_nothing(
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "instances"
-    async with LocalProcessBackend(state, cwd=ROOT) as backend:
-        with pytest.raises(BackendError, match="no-such-env-v1"):
-            await backend.start(EnvLaunch(env_id="no-such-env-v1"))
+    async with LocalProcessBackend(state, cwd=ROOT, host="203.0.113.1") as backend:
+        # Not an address of this machine: the server dies binding it, with a traceback.
+        with pytest.raises(BackendError) as crashed:
+            await backend.start(EnvLaunch(env_id="echo-v1"))
+        first, *rest = str(crashed.value).splitlines()
+        assert first.startswith("environment server for 'echo-v1' exited with code 1")
+        assert first.endswith(last_words("\n".join(rest)))  # the exception it died of
+        assert "OSError" in first
+        assert "Traceback (most recent call last)" in rest[1]  # then the log's tail
+        assert "RuntimeWarning" not in str(crashed.value)  # one module run once, by -m
         assert await backend.list() == []
     assert list(state.iterdir()) == []
+
+
+async def test_local_backend_an_environment_not_built_is_its_error_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    """An unknown id fails before a process starts; a class the server cannot import
+    comes back from it: both the environment's one-line error, as in-process."""
+    state = tmp_path / "instances"
+    async with LocalProcessBackend(state, cwd=ROOT) as backend:
+        with pytest.raises(UnknownEnvError, match=r"^Unknown environment 'nope-v1'") as unknown:
+            await backend.start(EnvLaunch(env_id="nope-v1"))
+        assert "\n" not in str(unknown.value)
+        assert list(state.iterdir()) == []  # no process spent on it
+        with pytest.raises(EnvportError) as not_built:
+            await backend.start(EnvLaunch(env_id="tests.support.no_such_module:Env"))
+        assert not isinstance(not_built.value, BackendError)
+        assert str(not_built.value).startswith(
+            "Unknown environment 'tests.support.no_such_module:Env'"
+        )
+        assert "\n" not in str(not_built.value)
+        assert await backend.list() == []
+    assert list(state.iterdir()) == []
+
+
+def test_last_words_are_the_exception_that_ends_the_last_traceback() -> None:
+    log = (
+        "WARNING: something harmless\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "    main()\n"
+        "KeyError: 'a'\n"
+        "\n"
+        "During handling of the above exception, another exception occurred:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 3, in <module>\n'
+        "    ^^^^^^\n"
+        "envport.errors.EnvFactoryError: it broke: twice\n"
+        "  and a second line of its message\n"
+    )
+    assert last_words(log) == "envport.errors.EnvFactoryError: it broke: twice"
+    assert last_words("just one line\n\n") == "just one line"
+    assert last_words("") == "(no output)"
 
 
 async def test_pool_drops_lost_sessions_and_recycles_after_half_are_lost() -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from envport.client.client import EnvClient
-from envport.errors import ConnectionLostError
+from envport.errors import ConnectionLostError, EnvportError, UnknownEnvError
 from envport.rollout.backends.base import BackendError, EnvLaunch, Limits
+from envport.rollout.backends.local import last_words
 from envport.rollout.backends.sandbox import SandboxBackend
-from envport.sandbox import probe
+from envport.sandbox import SandboxConfig, probe
 from envport.sandbox.cgroups import own_cgroups
 from envport.sandbox.mounts import mounted_under
 from tests.support.backends import echo
@@ -64,7 +65,24 @@ async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None
 
 
 async def test_a_server_that_cannot_start_is_reported_and_removed() -> None:
+    # A WebSocket implementation uvicorn does not know: the server dies starting up.
+    base = SandboxConfig(env={"ENVPORT_WS_IMPL": "no-such-ws"})
+    async with SandboxBackend(base=base) as backend:
+        with pytest.raises(BackendError, match="exited before it was ready") as crashed:
+            await backend.start(EnvLaunch(env_id="echo-v1", start_timeout_s=30))
+        first, *rest = str(crashed.value).splitlines()
+        assert first.endswith(last_words("\n".join(rest)))  # the exception it died of
+        assert "no-such-ws" in first
+        assert "RuntimeWarning" not in str(crashed.value)  # one module run once, by -m
+        assert await backend.list() == []
+
+
+async def test_an_environment_that_cannot_be_built_is_its_error_not_a_crash() -> None:
     async with SandboxBackend() as backend:
-        with pytest.raises(BackendError, match="exited before it was ready"):
+        with pytest.raises(UnknownEnvError, match=r"^Unknown environment 'nope-v1'"):
+            await backend.start(EnvLaunch(env_id="nope-v1"))  # refused before any sandbox
+        with pytest.raises(EnvportError, match=r"^Unknown environment 'no_such_module:Env'") as e:
             await backend.start(EnvLaunch(env_id="no_such_module:Env", start_timeout_s=30))
+        assert not isinstance(e.value, BackendError)  # the environment's: not retried
+        assert "\n" not in str(e.value)
         assert await backend.list() == []

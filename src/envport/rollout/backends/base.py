@@ -87,8 +87,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def start(self, launch: EnvLaunch) -> EnvInstance:
-        """Start one instance; return once it accepts sessions (or raise
-        :class:`BackendError` naming the cause, leaving nothing behind)."""
+        """Start one instance; return once it accepts sessions (or raise, leaving nothing
+        behind: :class:`BackendError` naming the cause, or the environment's own
+        :class:`~envport.errors.EnvportError` when it cannot be built, such as an
+        unknown id, which the controller classifies ``environment`` and does not retry)."""
 
     @abc.abstractmethod
     async def healthy(self, instance: EnvInstance) -> bool:

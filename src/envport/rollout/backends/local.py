@@ -1,10 +1,18 @@
 """The local-process backend: one envport server process per instance, on loopback.
 
-Each instance is ``python -m envport.rollout.backends.local ENV --sessions S --port-file F``
-(an envport server for ``ENV`` built with the launch's options, hosting ``S`` sessions),
-started in its own process group so that stopping it takes every child with it. The
-server binds port 0 itself and writes the port it got to ``F``, so two instances (or
-another program) can never race for a port; it is ready when ``GET /health`` answers.
+Each instance is ``python -m envport.rollout.backends.instance ENV --sessions S --port-file
+F`` (:mod:`.instance`: an envport server for ``ENV`` built with the launch's options,
+hosting ``S`` sessions), started in its own process group so that stopping it takes every
+child with it. The server binds port 0 itself and writes the port it got to ``F``, so two
+instances (or another program) can never race for a port; it is ready when ``GET
+/health`` answers.
+
+An environment id the registry does not know is refused before any process starts
+(:func:`check_env_id`); one the server cannot build (a ``module:Class`` that does not
+import, a constructor that raises) comes back from it as the environment's own error. Either
+is what the in-process backend raises for it: an ``environment`` failure, not retried.
+A server that crashes otherwise is a :class:`BackendError` whose first line is the
+exception it died of, then the tail of its log.
 
 Each live instance has a small JSON file in ``state_dir`` (its :class:`EnvInstance`,
 pid included). The files outlive the controller on purpose: a controller killed with
@@ -15,22 +23,26 @@ that process's command line still names the instance id (no pid-reuse accidents)
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import httpx
 
+from envport.errors import from_wire
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
+
+#: The server process's module (:mod:`.instance`; imported by no package ``__init__``).
+INSTANCE_MODULE = "envport.rollout.backends.instance"
 
 
 def _cmdline(pid: int) -> str:
@@ -44,11 +56,12 @@ def _alive(pid: int, instance_id: str) -> bool:
     return instance_id in _cmdline(pid)
 
 
-def _tail(path: Path, limit: int = 2000) -> str:
+def _tail(path: Path, limit: int | None = 2000) -> str:
     try:
-        return path.read_text(errors="replace")[-limit:]
+        text = path.read_text(errors="replace")
     except OSError:
         return ""
+    return text if limit is None else text[-limit:]
 
 
 def _read_port(path: Path) -> int | None:
@@ -59,8 +72,57 @@ def _read_port(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def check_env_id(env_id: str) -> None:
+    """Raise the registry's :class:`~envport.errors.UnknownEnvError` for an id that no
+    server could build, before a process is spent on it. ``module:Class`` paths pass:
+    the server imports them, and reports what it cannot build (:func:`start_failure`)."""
+    from envport.registry import spec
+
+    spec(env_id)
+
+
+#: A line that starts a traceback, or joins two of them: never the cause itself.
+_FRAMING = ("Traceback ", "During handling of", "The above exception")
+#: ``Type: message`` (or a bare ``Type``), as the last line of a traceback reads.
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:\s|$)")
+
+
+def last_words(log: str) -> str:
+    """The line of a crashed server's log that says why: the exception line that ends its
+    last traceback (unindented ``Type: message``), else its last non-blank line."""
+    lines = [line.rstrip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line) and not line.startswith(_FRAMING):
+            return line
+    return lines[-1] if lines else "(no output)"
+
+
+def start_failure(
+    env_id: str, log: str, *, reported: str | None = None, exit_code: int | None = None
+) -> Exception:
+    """Why an instance's server exited before it was ready.
+
+    ``reported`` is what the server wrote to its error file: the environment could not be
+    built, and that error (rebuilt from its wire form) is the environment's, as it would be
+    in-process. Otherwise the server crashed: a :class:`BackendError` whose first line
+    ends with the exception it died of, followed by the tail of its ``log``.
+    """
+    if reported:
+        try:
+            data = json.loads(reported)
+        except ValueError:
+            data = None
+        if isinstance(data, dict):
+            return from_wire(data)
+    code = f" with code {exit_code}" if exit_code is not None else ""
+    return BackendError(
+        f"environment server for {env_id!r} exited{code} before it was ready: "
+        f"{last_words(log)}\n--- the server's log, last lines ---\n{log}"
+    )
+
+
 def _forget(state_dir: Path, instance_id: str) -> None:
-    for suffix in (".json", ".log", ".port"):
+    for suffix in (".json", ".log", ".port", ".error"):
         (state_dir / f"{instance_id}{suffix}").unlink(missing_ok=True)
 
 
@@ -94,16 +156,18 @@ class LocalProcessBackend(Backend):
 
     # --- start --------------------------------------------------------------------------
 
-    def _argv(self, launch: EnvLaunch, instance_id: str, port_file: Path) -> list[str]:
+    def _argv(self, launch: EnvLaunch, instance_id: str) -> list[str]:
         return [
             sys.executable,
             "-m",
-            "envport.rollout.backends.local",
+            INSTANCE_MODULE,
             launch.env_id,
             "--host",
             self.host,
             "--port-file",
-            str(port_file),
+            str(self.state_dir / f"{instance_id}.port"),
+            "--error-file",
+            str(self.state_dir / f"{instance_id}.error"),
             "--sessions",
             str(launch.sessions),
             "--options",
@@ -113,13 +177,14 @@ class LocalProcessBackend(Backend):
         ]
 
     async def start(self, launch: EnvLaunch) -> EnvInstance:
+        if self.env is None:  # else the servers' environment may register other ids
+            check_env_id(launch.env_id)
         instance_id = f"local-{uuid.uuid4().hex[:12]}"
         log_path = self.state_dir / f"{instance_id}.log"
-        port_file = self.state_dir / f"{instance_id}.port"
         t0 = time.perf_counter()
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(launch, instance_id, port_file),
+                *self._argv(launch, instance_id),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
                 stderr=asyncio.subprocess.STDOUT,
@@ -137,7 +202,7 @@ class LocalProcessBackend(Backend):
             meta={"pid": proc.pid, "log": str(log_path)},
         )
         try:
-            await self._wait_ready(instance, proc, launch.start_timeout_s, log_path, port_file)
+            await self._wait_ready(instance, proc, launch.start_timeout_s)
             instance.start_latency_s = time.perf_counter() - t0
             self._state_file(instance_id).write_text(instance.model_dump_json())
         except BaseException:
@@ -150,18 +215,20 @@ class LocalProcessBackend(Backend):
         instance: EnvInstance,
         proc: asyncio.subprocess.Process,
         timeout_s: float,
-        log_path: Path,
-        port_file: Path,
     ) -> None:
+        files = self.state_dir / instance.instance_id
+        log_path, port_file = files.with_suffix(".log"), files.with_suffix(".port")
         deadline = time.monotonic() + timeout_s
         while True:
             if instance.url is None and (port := _read_port(port_file)) is not None:
                 instance.url = f"http://{self.host}:{port}"
             if proc.returncode is not None:
-                tail = _tail(log_path)
-                raise BackendError(
-                    f"environment server for {instance.env_id!r} exited with code "
-                    f"{proc.returncode} before it was ready:\n{tail}"
+                reported = _tail(files.with_suffix(".error"), limit=None)
+                raise start_failure(
+                    instance.env_id,
+                    _tail(log_path),
+                    reported=reported,
+                    exit_code=proc.returncode,
                 )
             if instance.url is not None and await self._health(instance):
                 return
@@ -259,56 +326,3 @@ class LocalProcessBackend(Backend):
             await asyncio.gather(*(self._reap(i) for i in instances))
         finally:
             await self._http.aclose()
-
-
-# --- the server process -------------------------------------------------------------------
-
-
-def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
-    """The ASGI app (and its ServerConfig) that one instance process serves."""
-    from envport.registry import resolve
-    from envport.server import ServerConfig, create_app
-
-    factory, _ = resolve(env, options)
-    # Room beyond the leased sessions for ones a dropped connection keeps for resume.
-    config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
-    return create_app(factory, config), config
-
-
-def instance_parser(prog: str) -> argparse.ArgumentParser:
-    """The arguments every instance server process takes (env, sessions, options, id)."""
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("env", help="environment id or module:Class")
-    parser.add_argument("--sessions", type=int, default=1)
-    parser.add_argument("--options", default="{}", help="JSON keyword arguments for the env")
-    parser.add_argument("--instance-id", default="", help="names the process for re-adoption")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of one instance's server process."""
-    parser = instance_parser("python -m envport.rollout.backends.local")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port-file", required=True, help="where to write the bound port")
-    args = parser.parse_args(argv)
-
-    import socket
-
-    import uvicorn
-
-    from envport.server import uvicorn_config
-
-    app, config = instance_app(args.env, args.sessions, json.loads(args.options))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, 0))
-    port = sock.getsockname()[1]
-    tmp = Path(args.port_file + ".tmp")
-    tmp.write_text(str(port))
-    tmp.replace(args.port_file)  # appears whole, or not at all
-    server = uvicorn.Server(uvicorn_config(app, host=args.host, port=port, config=config))
-    server.run(sockets=[sock])
-
-
-if __name__ == "__main__":
-    main()

@@ -104,7 +104,7 @@ class _EnvServerActor:
     ) -> dict[str, Any]:
         import uvicorn
 
-        from envport.rollout.backends.local import instance_app
+        from envport.rollout.backends.instance import instance_app
         from envport.server import uvicorn_config
         from envport.serving import free_port
 

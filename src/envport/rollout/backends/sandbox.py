@@ -1,9 +1,9 @@
 """The sandbox backend: each instance is an envport server inside an :mod:`envport.sandbox`.
 
-The server (``python -m envport.rollout.backends.sandbox ENV --uds PATH``, the same server
-``envport serve`` runs) lives in a sandbox with its own network namespace, so it cannot
-listen where the controller could reach it over TCP (and nothing else can reach it
-either: Ray-style "listens on all interfaces" does not apply). It listens on a Unix
+The server (``python -m envport.rollout.backends.instance ENV --uds PATH``, the local
+backend's server on a Unix socket) lives in a sandbox with its own network namespace, so
+it cannot listen where the controller could reach it over TCP (and nothing else can reach
+it either: Ray-style "listens on all interfaces" does not apply). It listens on a Unix
 socket in the sandbox's ``/tmp`` instead, which the controller reaches through the
 sandbox init's root, ``/proc/<pid>/root/tmp/…``: the instance's URL is
 ``unix:/proc/<pid>/root/tmp/envport-env.sock``, which :class:`~envport.client.EnvClient`
@@ -15,6 +15,11 @@ envport's source directory, put on the server's ``PYTHONPATH`` when it lies outs
 them) read-only, so the server runs the same code. Instances do not outlive the
 controller (a sandbox dies with its parent), so :meth:`list` reports the live instances
 this backend object started.
+
+As with the local backend, an environment that cannot be built is the environment's
+error, not retried (an id the registry does not know is refused before any sandbox is
+made), and a server that crashes while starting is a :class:`BackendError` that starts
+with the exception it died of.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import shlex
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -40,10 +45,12 @@ from envport.rollout.backends.base import (
     EnvInstance,
     EnvLaunch,
 )
+from envport.rollout.backends.local import INSTANCE_MODULE, check_env_id, start_failure
 from envport.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailableError
 
 SOCKET_NAME = "envport-env.sock"
 LOG_NAME = "envport-env.log"
+ERROR_NAME = "envport-env.error"
 
 
 def python_binds() -> dict[str, Path]:
@@ -95,6 +102,7 @@ class SandboxBackend(Backend):
         return SandboxConfig(**{**self.base.model_dump(), **update})
 
     async def start(self, launch: EnvLaunch) -> EnvInstance:
+        check_env_id(launch.env_id)
         instance_id = f"sandbox-{uuid.uuid4().hex[:12]}"
         t0 = time.perf_counter()
         try:
@@ -111,8 +119,9 @@ class SandboxBackend(Backend):
                     "namespace); this one runs unisolated"
                 )
             socket = f"/proc/{init}/root/tmp/{SOCKET_NAME}"
-            argv = [sys.executable, "-m", "envport.rollout.backends.sandbox", launch.env_id]
-            argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--sessions", str(launch.sessions)]
+            argv = [sys.executable, "-m", INSTANCE_MODULE, launch.env_id]
+            argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--error-file", f"/tmp/{ERROR_NAME}"]
+            argv += ["--sessions", str(launch.sessions)]
             argv += ["--options", json.dumps(launch.options), "--instance-id", instance_id]
             command = shlex.join(argv)
             if (source := source_path()) is not None:
@@ -142,10 +151,8 @@ class SandboxBackend(Backend):
         while not await _health(instance):
             if (sb.stats()["pids"] or 0) <= 2:  # the server process is gone
                 log = await sb.exec(f"tail -c 2000 /tmp/{LOG_NAME}")
-                raise BackendError(
-                    f"environment server for {instance.env_id!r} exited before it was "
-                    f"ready:\n{log.stdout}"
-                )
+                reported = await sb.exec(f"cat /tmp/{ERROR_NAME} 2>/dev/null")
+                raise start_failure(instance.env_id, log.stdout, reported=reported.stdout)
             if time.monotonic() > deadline:
                 raise BackendError(
                     f"environment server for {instance.env_id!r} did not answer /health "
@@ -187,28 +194,3 @@ async def _health(instance: EnvInstance) -> bool:
             reply = await client.get("http://localhost/health")
             return reply.status_code == 200
     return False
-
-
-# --- the server process (runs inside the sandbox) -----------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Serve one environment on a Unix socket (what ``envport serve`` does over TCP)."""
-    from envport.rollout.backends.local import instance_app, instance_parser
-
-    parser = instance_parser("python -m envport.rollout.backends.sandbox")
-    parser.add_argument("--uds", required=True, help="Unix socket path to listen on")
-    args = parser.parse_args(argv)
-
-    import uvicorn
-
-    from envport.server import uvicorn_config
-
-    app, config = instance_app(args.env, args.sessions, json.loads(args.options))
-    uv = uvicorn_config(app, host="127.0.0.1", port=0, config=config)
-    uv.uds = args.uds  # a Unix socket instead of TCP: the sandbox has no shared network
-    uvicorn.Server(uv).run()
-
-
-if __name__ == "__main__":
-    main()
