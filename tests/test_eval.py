@@ -235,6 +235,43 @@ async def test_resume_finishes_without_redoing(model_url: str, tmp_path: Path) -
     assert before - {stale.trace_id} <= {t.trace_id for t in traces}  # kept, not redone
 
 
+@pytest.mark.parametrize("rollouts", [1, 2])
+async def test_progress_total_counts_every_trace_it_reports_malformed_lines_included(
+    model_url: str, tmp_path: Path, rollouts: int
+) -> None:
+    """3 good tasks and 3 malformed lines: ``on_start`` announces exactly the traces
+    ``on_done`` then reports (a malformed line once, whatever the rollouts), first."""
+    good = [
+        t.model_dump(mode="json", exclude_none=True, exclude={"source", "root"})
+        for t in load("builtin:arithmetic").head(3)
+    ]
+    lines = [json.dumps(good[0]), "{not json", json.dumps(good[1]), "[]", "{}"]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join([*lines, json.dumps(good[2])]) + "\n")
+    invalid: list[Any] = []
+    tasks = list(load(str(path), invalid=invalid))
+    assert (len(tasks), len(invalid)) == (3, 3)
+    seen: list[str] = []
+    model = ChatModel(model_url, "scripted")
+    try:
+        async with AsyncTraceStore(SQLiteTraceStore(tmp_path / "t.db")) as store:
+            evaluator = Evaluator(model, store, EvalConfig(rollouts=rollouts))
+            for resume in (False, True):
+                seen.clear()
+                await evaluator.run(
+                    tasks,
+                    run_id="p",
+                    resume=resume,
+                    invalid=invalid,
+                    on_start=lambda n: seen.append(f"start {n}"),
+                    on_done=lambda trace: seen.append("done"),
+                )
+                total = 3 * rollouts + 3 if not resume else 0  # resumed: all already final
+                assert seen == [f"start {total}"] + ["done"] * total
+    finally:
+        await model.aclose()
+
+
 def test_unscored_runs_count_in_neither_the_mean_nor_pass_at_k() -> None:
     from envport.evaluate import summarise
     from envport.trace import Trace

@@ -148,7 +148,12 @@ class Evaluator:
     ) -> EvalSummary:
         """Run every task ``rollouts`` times. ``invalid``: the task file's bad entries
         (see :func:`~envport.tasks.load_jsonl`), each recorded as a failed trace of kind
-        ``task`` (never run), counted in the summary."""
+        ``task`` (never run), counted in the summary.
+
+        ``on_start(n)`` is called once, before any ``on_done``, with ``n`` the number of
+        ``on_done`` calls to come: one per trace this call records (rollouts not already
+        final in the store, and a malformed entry's trace once, however many rollouts
+        per task)."""
         started = time.perf_counter()
         run_id = run_id or uuid.uuid4().hex[:12]
         task_list = list(tasks)
@@ -164,16 +169,16 @@ class Evaluator:
             for t in _invalid_traces(invalid, run_id, self.taskset_name)
             if t.rollout_id not in done_ids
         ]
+        specs = [RolloutSpec(task, k) for task in task_list for k in range(self.config.rollouts)]
+        wanted = {rollout_id(run_id, s.task, s.index) for s in specs}
+        skipped = len(done_ids & wanted)
+        if on_start is not None:
+            on_start(len(specs) - skipped + len(bad))  # every trace on_done will see
         if bad:
             await self.store.put_many(bad)
             if on_done is not None:
                 for trace in bad:
                     on_done(trace)
-        specs = [RolloutSpec(task, k) for task in task_list for k in range(self.config.rollouts)]
-        wanted = {rollout_id(run_id, s.task, s.index) for s in specs}
-        skipped = len(done_ids & wanted)
-        if on_start is not None:
-            on_start(len(specs) - skipped)
 
         def event(ev: RolloutEvent) -> None:
             if on_event is not None:
