@@ -289,6 +289,25 @@ def test_unscored_runs_count_in_neither_the_mean_nor_pass_at_k() -> None:
     assert (nothing.mean_reward, nothing.pass_at_k) == (None, {})
 
 
+def test_the_progress_line_shows_the_summary_s_mean_reward() -> None:
+    from envport.evaluate import summarise
+    from envport.report import EvalProgress
+    from envport.trace import Trace
+
+    def done(reward: float | None) -> Trace:
+        return Trace(task_id="a", status=TraceStatus.COMPLETED, reward=reward)
+
+    unscored = [done(None), done(None), Trace(task_id="b", status=TraceStatus.FAILED)]
+    mixed = [*unscored, done(1.0), done(0.0), done(1.0)]
+    for traces, shown in ((unscored, "mean reward —"), (mixed, "mean reward 0.667")):
+        tally = EvalProgress()
+        for trace in traces:
+            tally.add(trace)
+        assert tally.mean_reward == summarise("r", traces, tasks=2).mean_reward
+        assert tally.markup().endswith(shown)
+    assert tally.markup().startswith("[green]5 ok[/] [red]1 failed[/]")
+
+
 def test_pass_at_k() -> None:
     assert pass_at_k(4, 0, 1) == 0.0
     assert pass_at_k(4, 4, 2) == 1.0

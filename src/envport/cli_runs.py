@@ -252,6 +252,7 @@ async def _run(
 ) -> Any:
     from envport.evaluate import Evaluator
     from envport.harness import ChatModel
+    from envport.report import EvalProgress
     from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace
 
     model = ChatModel(base_url, model_name, api_key=api_key)
@@ -266,24 +267,14 @@ async def _run(
         transient=False,
     )
     bar = progress.add_task("rollouts", total=None, stats="")
-    counts = {"ok": 0, "failed": 0, "reward": 0.0}
+    tally = EvalProgress()
 
     def started(n: int) -> None:
         progress.update(bar, total=n)
 
     def done(trace: Trace) -> None:
-        if trace.status.value == "completed":
-            counts["ok"] += 1
-            counts["reward"] += trace.reward or 0.0
-        else:
-            counts["failed"] += 1
-        mean = counts["reward"] / counts["ok"] if counts["ok"] else 0.0
-        progress.update(
-            bar,
-            advance=1,
-            stats=f"[green]{counts['ok']} ok[/] [red]{counts['failed']} failed[/] "
-            f"mean reward {mean:.3f}",
-        )
+        tally.add(trace)
+        progress.update(bar, advance=1, stats=tally.markup())
 
     try:
         with progress:

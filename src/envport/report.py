@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -11,11 +12,41 @@ from rich.table import Table
 from rich.text import Text
 
 from envport.evaluate import EvalSummary
-from envport.trace import ModelCall, Trace
+from envport.trace import ModelCall, Trace, TraceStatus
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
+
+
+class EvalProgress:
+    """The live line of ``envport eval``: the rollouts finished so far, counted by the
+    summary's rules (:func:`envport.evaluate.summarise`). The mean reward is over the
+    completed rollouts that were scored, and reads ``—`` while none is (tasks without a
+    rubric), as the summary's does."""
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.failed = 0
+        self.rewards: list[float] = []
+
+    def add(self, trace: Trace) -> None:
+        if trace.status is TraceStatus.COMPLETED:
+            self.completed += 1
+            if trace.reward is not None:  # unscored: in no mean
+                self.rewards.append(trace.reward)
+        else:
+            self.failed += 1
+
+    @property
+    def mean_reward(self) -> float | None:
+        return statistics.fmean(self.rewards) if self.rewards else None
+
+    def markup(self) -> str:
+        return (
+            f"[green]{self.completed} ok[/] [red]{self.failed} failed[/] "
+            f"mean reward {_fmt(self.mean_reward)}"
+        )
 
 
 def summary_table(summary: EvalSummary) -> Table:
