@@ -117,6 +117,29 @@ def test_jsonl_loads_tasks_with_provenance(tmp_path: Path) -> None:
     assert taskset.get("t2").prompt == "What is 2 + 2?"
 
 
+def test_the_jsonl_example_in_the_docs_loads_as_it_says(tmp_path: Path) -> None:
+    from envport.rubrics import from_specs
+
+    doc = (Path(__file__).parent.parent / "docs" / "runs.md").read_text()
+    block = doc.split("```jsonl\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(block)
+    exact, numeric, unscored = load_jsonl(path)
+    assert exact.rubric == (RubricSpec(type="exact_match"),)
+    assert numeric.rubric == (
+        RubricSpec(type="numeric_match", params={"abs_tol": 0.5}),
+        RubricSpec(type="regex", weight=0, params={"pattern": "\\d+"}),
+    )
+    assert (exact.answer, numeric.answer, unscored.rubric) == ("5", 42, ())
+    for task in (exact, numeric):
+        from_specs(task.rubric)  # types and parameters that exist
+    # The other forms it names: a single string or object, parameters under "params".
+    alone = Task.model_validate({"prompt": "p", "rubric": "exact_match"})
+    assert alone.rubric == exact.rubric
+    nested = {"type": "numeric_match", "params": {"abs_tol": 0.5}}
+    assert Task.model_validate({"prompt": "p", "rubric": nested}).rubric == numeric.rubric[:1]
+
+
 def test_jsonl_bad_json_names_file_and_line(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "tasks.jsonl", [{"prompt": "a"}, {"prompt": "b"}, '{"prompt": '])
     with pytest.raises(TaskFileError) as info:
