@@ -139,7 +139,7 @@ def test_the_live_display_counts_rollouts_by_state_and_env_start_latency() -> No
     from envport.rollout import RolloutEvent, RolloutState
     from envport.trace import Trace, TraceStatus
 
-    live = LiveCounts(total=5)
+    live = LiveCounts(total=5, env_start=[0.4, 0.2])
     events = [
         RolloutEvent(rollout_id="a", state=RolloutState.RUNNING, attempt=1, env_start_s=0.2),
         RolloutEvent(rollout_id="b", state=RolloutState.RUNNING, attempt=2, env_start_s=0.4),
@@ -163,7 +163,31 @@ def test_the_live_display_counts_rollouts_by_state_and_env_start_latency() -> No
         "1 succeeded",
         "1 failed",
         "1 pending",
-        "p50 0.40 s",
-        "2 started",
+        "p50 0.20 s · p99 0.40 s · 2 attempts waited for a new instance",
     ):
         assert shown in text, text
+
+
+async def test_the_live_line_and_the_summary_show_one_env_start_figure(tmp_path: Path) -> None:
+    """The same start samples: the same percentiles, and a count that says what it is."""
+    import io
+
+    from rich.console import Console
+
+    from envport.cli_rollout import LiveCounts, summary_table
+    from envport.rollout import Controller, InProcessBackend
+    from envport.trace import AsyncTraceStore
+
+    def shown(renderable: object) -> str:
+        console = Console(width=200, record=True, file=io.StringIO())
+        console.print(renderable)
+        return console.export_text()
+
+    async with AsyncTraceStore(SQLiteTraceStore(tmp_path / "t.db")) as store:
+        ctl = Controller(store, InProcessBackend(), run_id="r")
+        ctl.env_start_s.extend([8.49, 8.07])  # two cold starts, in the order they came
+        live = shown(LiveCounts(total=2, env_start=ctl.env_start_s))
+        summary = shown(summary_table(ctl.summary([], wall_s=1.0), None))
+    figure = "p50 8.07 s · p99 8.49 s · 2 attempts waited for a new instance"
+    assert f"env start: {figure}" in live, live
+    assert figure in summary, summary

@@ -24,7 +24,7 @@ import os
 import statistics
 import tempfile
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -376,6 +376,7 @@ async def _drive(
                 on_event=display.update,
                 run_config={"taskset": taskset, **config.model_dump(mode="json")},
             )
+            display.env_start = controller.env_start_s  # the summary's samples, as they come
             live = Live(display, console=out, refresh_per_second=8)
             with nullcontext() if quiet else live:
                 summary = await controller.run(specs)
@@ -392,22 +393,35 @@ async def _preflight(backend: Backend) -> None:
         await backend.list()
 
 
-class LiveCounts:
-    """Rollouts by state, updated from controller events; renders as a rich table."""
+def env_start_cell(pcts: Mapping[str, float], starts: int) -> str | None:
+    """Environment start latency as the live display and the summary both show it:
+    percentiles (:func:`~envport.rollout.controller.percentiles`) of ``starts`` samples,
+    each an attempt that waited for a new instance to start (warm hits are not samples,
+    and instances a warm pool started ahead are not counted). ``None`` without samples."""
+    if not pcts:
+        return None
+    waited = f"{starts} attempt{'s' if starts != 1 else ''} waited for a new instance"
+    return f"p50 {pcts['p50']:.2f} s · p99 {pcts['p99']:.2f} s · {waited}"
 
-    def __init__(self, total: int) -> None:
+
+class LiveCounts:
+    """Rollouts by state, updated from controller events; renders as a rich table.
+
+    ``env_start`` is the controller's own list of start samples
+    (:attr:`~envport.rollout.Controller.env_start_s`), so the live line and the summary
+    are computed from the same samples the same way (:func:`env_start_cell`)."""
+
+    def __init__(self, total: int, env_start: Sequence[float] = ()) -> None:
         self.total = total
         self.states: dict[str, str] = {}
         self.attempt: dict[str, int] = {}
-        self.env_start: list[float] = []
+        self.env_start = env_start
         self.rewards: list[float | None] = []
         self.skipped = 0
 
     def update(self, event: RolloutEvent) -> None:
         self.states[event.rollout_id] = event.state.value
         self.attempt[event.rollout_id] = event.attempt
-        if event.state.value == "running" and event.env_start_s:
-            self.env_start.append(event.env_start_s)
         if event.skipped:
             self.skipped += 1
         if event.trace is not None and event.trace.status.value == "completed":
@@ -438,14 +452,14 @@ class LiveCounts:
             f"[red]{c['failed']} failed[/]",
             f"{c['pending']} pending",
         )
-        starts = sorted(self.env_start)
+        from envport.rollout.controller import percentiles
+
+        starts = list(self.env_start)  # a copy: the controller appends as this renders
         line = Text("env start: ", style="bold")
-        if starts:
-            p50 = starts[len(starts) // 2]
-            p99 = starts[min(len(starts) - 1, int(0.99 * len(starts)))]
-            line.append(f"p50 {p50:.2f} s · p99 {p99:.2f} s · {len(starts)} started")
-        else:
-            line.append("no instance started yet")
+        line.append(
+            env_start_cell(percentiles(starts), len(starts))
+            or "no attempt has waited for a new instance yet"
+        )
         if self.skipped:
             line.append(f" · {self.skipped} already done (resume)")
         return Group(table, line)
@@ -455,7 +469,6 @@ def summary_table(summary: ControllerSummary, mean_reward: float | None) -> Tabl
     table = Table(title=f"run {summary.run_id}", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    starts = summary.env_start_s
     rows = [
         ("rollouts", str(summary.rollouts)),
         ("succeeded", f"[green]{summary.succeeded}[/]"),
@@ -469,10 +482,7 @@ def summary_table(summary: ControllerSummary, mean_reward: float | None) -> Tabl
             "errors by kind",
             ", ".join(f"{k}: {v}" for k, v in summary.errors_by_kind.items()) or "-",
         ),
-        (
-            "env start",
-            f"p50 {starts['p50']:.2f} s · p99 {starts['p99']:.2f} s" if starts else "-",
-        ),
+        ("env start", env_start_cell(summary.env_start_s, summary.env_starts) or "-"),
         ("mean reward", "-" if mean_reward is None else f"{mean_reward:.3f}"),
         ("wall", f"{summary.wall_s:.1f} s"),
     ]

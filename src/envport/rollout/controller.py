@@ -253,11 +253,18 @@ class ControllerSummary(BaseModel):
     abandoned: int = Field(0, description="In-flight attempts of a previous controller.")
     adopted: int = Field(0, description="Instances re-adopted from a previous controller.")
     errors_by_kind: dict[str, int] = Field(default_factory=dict)
-    env_start_s: dict[str, float] = Field(default_factory=dict)
+    env_start_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Percentiles (percentiles()) of how long attempts waited for a new "
+        "instance to start; warm hits are not samples.",
+    )
+    env_starts: int = Field(0, description="Attempts that waited for a new instance (samples).")
     wall_s: float = 0.0
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Nearest-rank p50, p90, p99 and max of ``values`` (``{}`` for none): each is a
+    sample, the smallest with at least that share of the samples at or below it."""
     if not values:
         return {}
     ordered = sorted(values)
@@ -431,6 +438,8 @@ class Controller:
         self._services: list[asyncio.Task[None]] = []
         self._flights: dict[str, _Flight] = {}
         self._tg: asyncio.TaskGroup | None = None
+        #: How long each attempt that started an instance for its lease waited for it
+        #: (warm hits are not samples), in the order they came.
         self.env_start_s: list[float] = []
         self.attempts_started = 0
         self.retried = 0
@@ -640,6 +649,7 @@ class Controller:
             adopted=self.adopted,
             errors_by_kind=dict(kinds),
             env_start_s=percentiles(self.env_start_s),
+            env_starts=len(self.env_start_s),
             wall_s=wall_s,
         )
 
