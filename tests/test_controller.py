@@ -483,6 +483,36 @@ async def test_controllers_of_one_run_side_by_side_in_one_process(store: AsyncTr
     assert {a.state for a in db(store).attempts(run_id="r")} == {"succeeded"}
 
 
+async def test_a_group_is_part_of_a_rollout_s_identity(store: AsyncTraceStore) -> None:
+    """A trainer's GRPO group of a task already run: fresh rollouts, all of its group, not
+    the earlier ones under their old group id; the same group again is the same rollouts."""
+    harness = ScriptHarness()
+    t = task("t", ["hi"])
+    config = ControllerConfig(**FAST)
+    async with Controller(store, InProcessBackend(), harness, config, run_id="r") as ctl:
+        earlier = await ctl.run([RolloutSpec(t, k) for k in range(4)])
+        group = await ctl.collect([RolloutSpec(t, k, group_id="step7/g0") for k in range(8)])
+        same = await ctl.collect([RolloutSpec(t, k, group_id="step7/g0") for k in range(8)])
+        default = await ctl.collect([RolloutSpec(t, 0, group_id="r/t")])  # the run's own
+    assert earlier.succeeded == 4
+    assert {r.trace.group_id for r in group} == {"step7/g0"}
+    assert [r.rollout_id for r in group] == [f"r/step7/g0/t/{k}" for k in range(8)]
+    assert not any(r.skipped for r in group)  # run, not the earlier rollouts returned
+    assert [r.trace.trace_id for r in same] == [r.trace.trace_id for r in group]
+    assert default[0].rollout_id == "r/t/0"
+    traces = await store.query(run_id="r", limit=None)
+    assert len(traces) == 12  # 4 + 8, each once
+    by_group = {g: sum(tr.group_id == g for tr in traces) for g in ("r/t", "step7/g0")}
+    assert by_group == {"r/t": 4, "step7/g0": 8}
+    # Resumed by a new controller, the group's rollouts are found, not run again.
+    again = Controller(store, InProcessBackend(), harness, config, run_id="r")
+    async with again:
+        resumed = await again.collect([RolloutSpec(t, k, group_id="step7/g0") for k in range(8)])
+    assert all(r.skipped for r in resumed)
+    assert [r.trace.trace_id for r in resumed] == [r.trace.trace_id for r in group]
+    assert len(await store.query(run_id="r", limit=None)) == 12
+
+
 class RecordingBackend(InProcessBackend):
     """In-process instances, remembering every launch the controller asked for."""
 

@@ -33,7 +33,8 @@ Faults, and what becomes of them:
   a row in the store's ``attempts`` table. Other failures end the rollout ``failed``
   with a classified error and no reward: never a 0, never in training data. One
   rollout's failure never touches its siblings.
-* **Restarts.** Rollout ids are deterministic (``run/task/k``). On entry the controller
+* **Restarts.** Rollout ids are deterministic (``run/task/k``, or ``run/group/task/k`` for
+  a spec that names its own group: :func:`rollout_id`). On entry the controller
   marks every in-flight attempt of its run ``abandoned`` (reason
   ``controller_restart``), requeues those rollouts, and re-adopts the run's instances
   that its backend still has (``Backend.list``). Rollouts already final are skipped, and
@@ -135,8 +136,19 @@ def heartbeat() -> None:
         beat()
 
 
-def rollout_id(run_id: str, task: Task, index: int) -> str:
-    return f"{run_id}/{task.id}/{index}"
+def default_group(run_id: str, task: Task) -> str:
+    """The group of a rollout whose spec names none: every rollout of the task in the run."""
+    return f"{run_id}/{task.id}"
+
+
+def rollout_id(run_id: str, task: Task, index: int, group_id: str | None = None) -> str:
+    """A rollout's deterministic id: ``run/task/index``, or ``run/group/task/index`` when
+    the spec names a group of its own. A rollout requested for another group is another
+    rollout (a trainer's ``step8/g3`` is never ``step7/g0``'s result, nor mixed into it);
+    the same group, task and index again is the same rollout (resume, exactly once)."""
+    if group_id is None or group_id == default_group(run_id, task):
+        return f"{run_id}/{task.id}/{index}"
+    return f"{run_id}/{group_id}/{task.id}/{index}"
 
 
 def classify(exc: BaseException, stage: str) -> ErrorKind:
@@ -206,7 +218,9 @@ class ControllerConfig(BaseModel):
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """One rollout to run: task ``index`` (0..k-1) of ``task``, by ``harness``."""
+    """One rollout to run: task ``index`` (0..k-1) of ``task``, by ``harness``, in group
+    ``group_id`` (default: the run's group for the task). The group is part of the
+    rollout's identity (:func:`rollout_id`)."""
 
     task: Task
     index: int = 0
@@ -604,13 +618,15 @@ class Controller:
     def submit(self, specs: Iterable[RolloutSpec]) -> list[asyncio.Task[RolloutResult]]:
         """Start rollouts now (they queue on the limits); one task per spec, in order.
 
-        A rollout id already submitted to this controller returns its existing task.
+        A rollout id already submitted to this controller returns its existing task. The
+        id includes the spec's group (:func:`rollout_id`): the same task and index in
+        another group is another rollout.
         """
         if self._tg is None:
             raise RuntimeError("submit() needs a running controller: `async with Controller(…)`")
         out: list[asyncio.Task[RolloutResult]] = []
         for spec in specs:
-            rid = rollout_id(self.run_id, spec.task, spec.index)
+            rid = rollout_id(self.run_id, spec.task, spec.index, spec.group_id)
             task = self._tasks.get(rid)
             if task is None:
                 task = self._tg.create_task(self._rollout(spec, rid), name=f"rollout {rid}")
@@ -692,7 +708,7 @@ class Controller:
                 rollout_id=rid,
                 run_id=self.run_id,
                 task_id=task.id,
-                group_id=spec.group_id or f"{self.run_id}/{task.id}",
+                group_id=spec.group_id or default_group(self.run_id, task),
                 index=spec.index,
                 env_id=task.env_id,
                 max_attempts=max_attempts,
@@ -726,7 +742,7 @@ class Controller:
             taskset=self.taskset,
             rollout_id=rid,
             attempt=attempt,
-            group_id=spec.group_id or f"{self.run_id}/{task.id}",
+            group_id=spec.group_id or default_group(self.run_id, task),
             env_id=task.env_id,
             status=TraceStatus.RUNNING,
             started_at=datetime.now(UTC),
