@@ -168,7 +168,7 @@ async def test_failed_start_reports_the_pods_log_and_leaves_nothing(
 ) -> None:
     fake, _ = kube
     before = set(fake.jobs)
-    with pytest.raises(BackendError, match=r"exited 1 \(Error\)[\s\S]*UnknownEnvError") as info:
+    with pytest.raises(BackendError, match=r"exited 2 \(Error\)[\s\S]*Unknown environment") as info:
         await backend.start(EnvLaunch(env_id="no-such-env-v1"))
     assert "Registered: " in str(info.value)
     assert set(fake.jobs) == before

@@ -312,7 +312,7 @@ async def test_local_backend_an_environment_not_built_is_its_error_not_a_crash(
             await backend.start(EnvLaunch(env_id="tests.support.no_such_module:Env"))
         assert not isinstance(not_built.value, BackendError)
         assert str(not_built.value).startswith(
-            "Unknown environment 'tests.support.no_such_module:Env'"
+            "Cannot load environment 'tests.support.no_such_module:Env': could not import"
         )
         assert "\n" not in str(not_built.value)
         assert await backend.list() == []
