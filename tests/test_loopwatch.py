@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ async def blocked_call_is_interrupted_and_others_go_on(url: str, block: str) -> 
         err = json.loads(await asyncio.wait_for(a.recv(), 20))
         assert err["type"] == "error"
         assert err["data"]["code"] == "TIMEOUT", err
-        assert "blocked the server's event loop" in err["data"]["message"]
+        assert "blocking the server's event loop" in err["data"]["message"]
         assert "plain def" in err["data"]["message"]
         # A's environment was discarded, as for any call past its deadline; reset is fresh.
         assert (await ask(a, step("x")))["data"]["code"] == "NOT_RESET"
@@ -110,12 +111,66 @@ async def test_on_the_main_thread_a_blocking_sleep_is_woken_by_the_signal() -> N
     try:
         session = Session(FaultyEnv, call_timeout_s=0.3)
         await session.reset()
-        with pytest.raises(EnvTimeoutError, match="blocked the server's event loop"):
+        with pytest.raises(EnvTimeoutError, match="blocking the server's event loop"):
             await session.step({"message": "loop_sleep:3600"})
         assert watchdog.stats()["loop_stall_interrupts"] == 1
         await session.close()
     finally:
         watchdog.stop()
+
+
+async def test_calls_that_block_one_after_another_in_one_stall_are_each_interrupted() -> None:
+    """Two sessions' steps queued on the loop run back to back with no heartbeat between
+    them: the second is interrupted at its own deadline too."""
+    watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=None)
+    watchdog.start()
+    try:
+        a, b = (Session(FaultyEnv, call_timeout_s=0.3) for _ in range(2))
+        await a.reset()
+        await b.reset()
+        results = await asyncio.gather(
+            a.step({"message": "loop_spin:60"}),
+            b.step({"message": "loop_spin:60"}),
+            return_exceptions=True,
+        )
+        assert [type(r) for r in results] == [EnvTimeoutError, EnvTimeoutError]
+        assert watchdog.stats()["loop_stall_interrupts"] == 2
+        await a.close()
+        await b.close()
+    finally:
+        watchdog.stop()
+
+
+async def test_a_call_without_a_deadline_is_only_logged() -> None:
+    watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=0.1)
+    watchdog.start()
+    try:
+        session = Session(FaultyEnv, call_timeout_s=None)  # --call-timeout 0
+        await session.reset()
+        reply = await session.step({"message": "loop_sleep:1"})
+        assert reply.observation.echoed_message == "loop_sleep:1"  # type: ignore[attr-defined]
+        assert watchdog.stats()["loop_stall_interrupts"] == 0  # and the process lives
+        await session.close()
+    finally:
+        watchdog.stop()
+
+
+async def test_two_watchdogs_on_the_main_thread_share_the_signal_handler() -> None:
+    """One server stopping leaves the other its handler: its interrupt still raises in
+    the stuck call instead of the signal's default action ending the process."""
+    first, second = LoopWatchdog(warn_s=0.1, exit_after_s=None), LoopWatchdog(warn_s=0.1)
+    first.start()
+    second.start()
+    first.stop()
+    try:
+        session = Session(FaultyEnv, call_timeout_s=0.3)
+        await session.reset()
+        with pytest.raises(EnvTimeoutError):
+            await session.step({"message": "loop_sleep:3600"})
+        await session.close()
+    finally:
+        second.stop()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # put back by the last
 
 
 async def test_a_stall_outside_any_environment_call_is_only_logged(
@@ -184,7 +239,7 @@ async def test_envport_serve_interrupts_a_blocked_step_and_serves_the_others(
     log = (tmp_path / "serve.log").read_text()
     assert "has been blocked" in log
     assert "faulty_envs.py" in log
-    assert "Interrupting the stalled environment call" in log
+    assert "Interrupting the environment call that blocks the loop" in log
 
 
 async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path: Path) -> None:
@@ -197,5 +252,5 @@ async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path:
                 await asyncio.wait_for(ws.recv(), 30)
         assert proc.wait(30) == EXIT_STALLED
     log = (tmp_path / "serve.log").read_text()
-    assert "could not be freed; exiting (status 70)" in log
+    assert "did not let go when interrupted; exiting (status 70)" in log
     assert "loop_stuck" in log or "faulty_envs.py" in log

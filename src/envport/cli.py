@@ -147,8 +147,8 @@ def serve(
     stall_exit: Annotated[
         float | None,
         typer.Option(
-            help="Exit with status 70 when the loop is still stuck this many seconds past "
-            "the stalled call's deadline (its call is interrupted at the deadline); 0: never."
+            help="Exit with status 70 when an environment call interrupted at its deadline "
+            "for blocking the event loop still holds it this many seconds later; 0: never."
         ),
     ] = None,
     log_level: Annotated[

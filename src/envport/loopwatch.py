@@ -6,21 +6,24 @@ stops that loop: no other session is served, and no call deadline can fire, sinc
 deadline's timer runs on the stopped loop too. A thread outside the loop watches a
 heartbeat the loop writes every ``interval_s``:
 
-* **Warn.** A stall longer than ``warn_s`` is logged once, with the stack it is stuck in.
+* **Warn.** A stall longer than ``warn_s`` is logged once, with the stack it is stuck in,
+  whatever blocks (an environment's slow constructor too).
 * **Interrupt.** When the stuck code is an environment call (it runs inside
-  :meth:`envport.session.Session._guard`) and that call is past its deadline, the
-  watchdog raises :class:`LoopStalled` inside it. When the loop runs on the main thread
-  (``envport serve``), it does so from a signal handler, so a blocking sleep or read is
-  woken too; elsewhere it sets an asynchronous exception, which lands at the stuck code's
-  next bytecode (a busy loop; a sleep only once it returns). The session answers with a
-  timeout error and discards that environment, as for any call past its deadline; every
-  other session goes on.
-* **Exit.** When the loop is still stuck ``exit_after_s`` after that deadline (code that
-  swallows the exception, C code that never returns to Python), or that long into a stall
-  outside any environment call, the process logs the stack and exits with status
-  :data:`EXIT_STALLED`, so whatever supervises it (the rollout controller's pool,
-  systemd, Kubernetes) replaces it instead of it hanging forever. Only a loop on the main
-  thread does this: a server in a thread of someone else's process never exits it.
+  :meth:`envport.session.Session._guard`) past its deadline, the watchdog raises
+  :class:`LoopStalled` inside it. When the loop runs on the main thread (``envport
+  serve``), it does so from a signal handler, which first checks that the call is still
+  the one stuck, and whose signal also wakes a blocking sleep or read. Elsewhere it sets an
+  asynchronous exception, right after checking the stuck stack again, which lands at the
+  call's next bytecode (a busy loop at once; a sleep when it returns). The session answers
+  with a timeout error and discards that environment, as for any call past its deadline;
+  every other session goes on, and the next call to block is interrupted in its turn. A
+  call with no deadline (``--call-timeout 0``) is only warned about.
+* **Exit.** When an interrupted call still holds the loop ``exit_after_s`` after its
+  deadline (code that swallows the exception, C code that never returns to Python), the
+  process logs the stack and exits with status :data:`EXIT_STALLED`, so whatever
+  supervises it (the rollout controller's pool, systemd, Kubernetes) replaces it instead
+  of it hanging forever. Only a loop on the main thread does this: a server in a thread of
+  someone else's process never exits it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def _guard_code() -> Any:
     return Session._guard.__code__
 
 
+# Watchdogs of loops on the main thread share one handler of INTERRUPT_SIGNAL, installed
+# while any of them runs (one server stopping must not leave another without it).
+_on_main: set[LoopWatchdog] = set()
+_saved_handler: Any = None
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    for watchdog in list(_on_main):
+        watchdog._raise_if_stuck(frame)
+
+
 class LoopWatchdog:
     """Watches the running loop from a daemon thread; ``start()`` on the loop, ``stop()``.
 
@@ -88,21 +102,24 @@ class LoopWatchdog:
         self._stop = threading.Event()
         self._loop_thread = 0
         self._on_main = False
-        self._old_handler: Any = None
         self._guard = _guard_code()
-        # The stall being handled: the beat it started after, and the environment call
-        # an interrupt was aimed at.
+        # The stall being handled (the beat it started after), and the environment call
+        # last interrupted in it, with the beat the interrupt was decided at.
         self._stall_beat: float | None = None
         self._target: FrameType | None = None
+        self._target_beat: float | None = None
 
     # --- lifecycle (call on the loop's thread) -----------------------------------------
 
     def start(self) -> None:
+        global _saved_handler
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._on_main = threading.current_thread() is threading.main_thread()
         if self._on_main:
-            self._old_handler = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
+            if not _on_main:
+                _saved_handler = signal.signal(INTERRUPT_SIGNAL, _on_signal)
+            _on_main.add(self)
         self._beat = time.monotonic()
         self._handle = self._loop.call_later(self.interval_s, self._tick)
         self._stop.clear()
@@ -116,9 +133,11 @@ class LoopWatchdog:
             self._handle.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        if self._on_main:
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(INTERRUPT_SIGNAL, self._old_handler or signal.SIG_DFL)
+        if self._on_main and self in _on_main:
+            _on_main.discard(self)
+            if not _on_main:
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(INTERRUPT_SIGNAL, _saved_handler or signal.SIG_DFL)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -145,46 +164,41 @@ class LoopWatchdog:
         beat = self._beat
         stalled = now - beat - self.interval_s  # the beat is due every interval_s
         if stalled < self.warn_s:
-            if self._stall_beat is not None:
-                self._end_stall()
+            self._stall_beat = None
             return
         frame = sys._current_frames().get(self._loop_thread)
         if self._stall_beat != beat:  # a new stall
-            self._end_stall()
             self._stall_beat = beat
             self.stalls += 1
             log.warning(
-                "The event loop has been blocked for %.1f s, so no session is served. "
-                "An async environment method is probably running blocking code (use a "
-                "plain def, which runs on the environment's thread, or await). Stuck "
-                "in:\n%s",
+                "The event loop has been blocked for %.1f s, so no session is served: "
+                "something runs blocking code on it (an async environment method, or an "
+                "environment's constructor; plain def hooks run on the environment's own "
+                "thread). Stuck in:\n%s",
                 stalled,
                 _stack(frame),
             )
         self.longest_stall_s = max(self.longest_stall_s, stalled)
-        # An environment call past its deadline is interrupted; the stall must end within
-        # exit_after_s of that deadline (of the stall's start, outside any call).
-        must_end = beat + self.interval_s
         call = self._stalled_call(frame)
-        guard, deadline = call if call is not None else (None, None)
-        if guard is not None and deadline is not None:
-            must_end = max(must_end, deadline)
-            if now >= deadline and self._target is None:
-                self._interrupt(guard)
-        if self.exit_after_s is not None and self._on_main and now >= must_end + self.exit_after_s:
-            log.critical(
-                "The event loop has been blocked for %.1f s and could not be freed; exiting "
-                "(status %d) so that a supervisor can replace this server. Stuck in:\n%s",
-                stalled,
-                EXIT_STALLED,
-                _stack(frame),
-            )
-            logging.shutdown()
-            os._exit(EXIT_STALLED)
-
-    def _end_stall(self) -> None:
-        self._stall_beat = None
-        self._target = None
+        if call is None:
+            return
+        guard, deadline = call
+        if deadline is None or now < deadline:
+            return  # no deadline (--call-timeout 0), or not yet: only the warning
+        if self._target is not guard:
+            self._interrupt(guard, beat)
+        elif self.exit_after_s is not None and self._on_main:
+            if now >= deadline + self.exit_after_s:
+                log.critical(
+                    "An environment call has blocked the event loop for %.1f s and did not "
+                    "let go when interrupted; exiting (status %d) so that a supervisor can "
+                    "replace this server. Stuck in:\n%s",
+                    stalled,
+                    EXIT_STALLED,
+                    _stack(frame),
+                )
+                logging.shutdown()
+                os._exit(EXIT_STALLED)
 
     def _stalled_call(self, frame: FrameType | None) -> tuple[FrameType, float | None] | None:
         """The innermost environment call on the stuck stack, and its deadline."""
@@ -192,37 +206,48 @@ class LoopWatchdog:
             if frame.f_code is self._guard:
                 session = frame.f_locals.get("self")
                 limit = frame.f_locals.get("limit")
-                started = getattr(session, "last_active", None)
+                started = getattr(session, "call_started", None)
                 if isinstance(limit, int | float) and isinstance(started, float):
                     return frame, started + limit
                 return frame, None
             frame = frame.f_back
         return None
 
-    def _interrupt(self, guard: FrameType) -> None:
-        self._target = guard
-        self.interrupts += 1
-        log.error("Interrupting the stalled environment call: it is past its deadline.")
+    def _interrupt(self, guard: FrameType, beat: float) -> None:
+        self._target, self._target_beat = guard, beat
         if self._on_main:
+            # The handler raises only if this call is still the one stuck.
             signal.pthread_kill(self._loop_thread, INTERRUPT_SIGNAL)
-            return
-        # The GIL is held from the stack's inspection to here (ctypes.pythonapi keeps it),
-        # so the loop's thread is still inside that call: the exception lands there.
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(self._loop_thread), ctypes.py_object(LoopStalled)
-        )
+        else:
+            # Checked again with nothing in between that releases the GIL (no I/O): the
+            # loop's thread runs no Python until this thread lets go of the GIL, so the
+            # exception lands in the stuck call, unless the GIL's switch interval (5 ms)
+            # runs out within these few microseconds.
+            if self._beat != beat or not _on_stack(
+                sys._current_frames().get(self._loop_thread), guard
+            ):
+                return
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self._loop_thread), ctypes.py_object(LoopStalled)
+            )
+        self.interrupts += 1
+        log.error("Interrupting the environment call that blocks the loop past its deadline.")
 
     # --- on the loop's (main) thread ---------------------------------------------------
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Raise :class:`LoopStalled` if the stall aimed at is still going on here."""
+    def _raise_if_stuck(self, frame: FrameType | None) -> None:
+        """Raise :class:`LoopStalled` if the call aimed at is still stuck, here."""
         target = self._target
-        if target is None or self._stall_beat != self._beat:
-            return  # the stall ended before the signal was handled
-        while frame is not None:
-            if frame is target:
-                raise LoopStalled
-            frame = frame.f_back
+        if target is not None and self._target_beat == self._beat and _on_stack(frame, target):
+            raise LoopStalled
+
+
+def _on_stack(frame: FrameType | None, target: FrameType) -> bool:
+    while frame is not None:
+        if frame is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _stack(frame: FrameType | None) -> str:

@@ -103,6 +103,7 @@ class Session:
         self.status = SessionStatus.ACTIVE
         self.created_at = time.monotonic()
         self.last_active = self.created_at
+        self.call_started = self.created_at  # when the latest call began (its deadline's start)
         self.attached = 0  # open connections using this session
         self.detached_at: float | None = None
         # (frame id, reply); reply None while the frame runs (server.dispatch._once)
@@ -211,7 +212,7 @@ class Session:
     ) -> T:
         """Run ``call`` under the session's call deadline, or longer when the call
         ``declared`` it may take longer (:mod:`envport.deadlines`)."""
-        self.last_active = time.monotonic()
+        self.call_started = self.last_active = time.monotonic()
         limit = extended(self.call_timeout_s, declared)
         try:
             # Run the call eagerly: most steps of a fast environment finish without ever
@@ -237,11 +238,11 @@ class Session:
         except LoopStalled:  # it blocked the loop past its deadline (envport.loopwatch)
             self._poison()
             raise EnvTimeoutError(
-                f"{what} blocked the server's event loop for "
-                f"{time.monotonic() - self.last_active:.1f} s, past its {limit:g} s "
-                "deadline: an async environment method ran blocking code (make it a plain "
-                "def, which runs on the environment's thread, or await its I/O). The "
-                "environment was discarded. Call reset() to continue on a fresh one.",
+                f"{what} ran for {time.monotonic() - self.call_started:.1f} s, past its "
+                f"{limit:g} s deadline, blocking the server's event loop: an async "
+                "environment method ran blocking code (make it a plain def, which runs on "
+                "the environment's thread, or await its I/O). The environment was "
+                "discarded. Call reset() to continue on a fresh one.",
                 timeout_s=limit,
             ) from None
         finally:

@@ -48,8 +48,9 @@ class ServerConfig(BaseModel):
     stall_exit_s: float | None = Field(
         60.0,
         gt=0,
-        description="Exit (status 70) when the loop is still stuck this long past the "
-        "stalled call's deadline (None: never); only a server on the main thread.",
+        description="Exit (status 70) when an environment call interrupted for blocking "
+        "the loop still holds it this long past its deadline (None: never); only a server "
+        "on the main thread.",
     )
 
 
