@@ -187,18 +187,24 @@ class LoopWatchdog:
             return  # no deadline (--call-timeout 0), or not yet: only the warning
         if self._target is not guard:
             self._interrupt(guard, beat)
-        elif self.exit_after_s is not None and self._on_main:
-            if now >= deadline + self.exit_after_s:
-                log.critical(
-                    "An environment call has blocked the event loop for %.1f s and did not "
-                    "let go when interrupted; exiting (status %d) so that a supervisor can "
-                    "replace this server. Stuck in:\n%s",
-                    stalled,
-                    EXIT_STALLED,
-                    _stack(frame),
-                )
-                logging.shutdown()
-                os._exit(EXIT_STALLED)
+        elif self._should_exit(now, deadline):
+            log.critical(
+                "An environment call has blocked the event loop for %.1f s and did not "
+                "let go when interrupted; exiting (status %d) so that a supervisor can "
+                "replace this server. Stuck in:\n%s",
+                stalled,
+                EXIT_STALLED,
+                _stack(frame),
+            )
+            logging.shutdown()
+            os._exit(EXIT_STALLED)
+
+    def _should_exit(self, now: float, deadline: float) -> bool:
+        """Whether the interrupted call has held the loop ``exit_after_s`` past its
+        deadline (only a loop on the main thread exits its process)."""
+        return (
+            self.exit_after_s is not None and self._on_main and now >= deadline + self.exit_after_s
+        )
 
     def _stalled_call(self, frame: FrameType | None) -> tuple[FrameType, float | None] | None:
         """The innermost environment call on the stuck stack, and its deadline."""
