@@ -62,9 +62,11 @@ def create_app(
                     yield
             finally:
                 tg.cancel_scope.cancel()
-                await manager.close_all()
-                if watchdog is not None:
-                    watchdog.stop()
+                try:
+                    await manager.close_all()
+                finally:
+                    if watchdog is not None:
+                        watchdog.stop()
 
     routes: list[Any] = [
         WebSocketRoute("/ws", websocket_endpoint),
