@@ -188,9 +188,12 @@ async def test_a_refused_reset_leaves_the_episode_as_it_was() -> None:
     before = await env.state()
     with pytest.raises(ActionValidationError, match="bogus"):
         await env.reset(seed=2, bogus=1)
+    with pytest.raises(ActionValidationError, match="max_steps"):  # high is fine, max_steps not
+        await env.reset(seed=2, high=5, max_steps=0)
     after = await env.state()
     assert after.episode_id == before.episode_id  # not a new episode id on the old game
     assert after.step_count == before.step_count == 1
+    assert after.model_dump() == before.model_dump()  # the range too: nothing changed
     assert (await env.step({"guess": 6})).observation is not None  # the same game goes on
     assert (await env.state()).step_count == 2
     await env.close()
@@ -223,6 +226,10 @@ async def test_a_reset_that_crashes_asks_for_another_before_any_step() -> None:
     assert env.episode_id == episode
     with pytest.raises(EnvNotResetError, match=r"last reset\(\) failed .*halfway"):
         await env.step({})
+    with pytest.raises(EnvNotResetError, match=r"last reset\(\) failed"):  # tools too
+        await env.step({"type": "call_tool", "tool_name": "ping", "arguments": {}})
+    with pytest.raises(EnvNotResetError, match=r"last reset\(\) failed"):
+        await env.call_tool("ping")
     await env.reset()
     assert (await env.step({})).reward == 1.0
     await env.close()

@@ -158,11 +158,8 @@ class Env(Generic[ActT, ObsT]):
     async def step(self, action: ActT | AnyAction | dict[str, Any]) -> StepResult[Any]:
         if self.status is not EnvStatus.RUNNING:
             self._check_open()
+            self._check_reset_not_failed()
             if not self._is_tool_action(action):
-                if self._failed_reset is not None:
-                    raise EnvNotResetError(
-                        f"The last reset() failed ({self._failed_reset}); call reset() again."
-                    )
                 raise EnvNotResetError("step() called before reset(); call reset() first.")
         typed = self.parse_action(action)
         self.step_count += 1
@@ -179,6 +176,14 @@ class Env(Generic[ActT, ObsT]):
             raise
         except Exception as exc:
             raise self._hook_error(exc) from exc
+
+    def _check_reset_not_failed(self) -> None:
+        """After a failed reset the environment may be half reset: nothing reaches it,
+        tools included, until a reset succeeds."""
+        if self._failed_reset is not None:
+            raise EnvNotResetError(
+                f"The last reset() failed ({self._failed_reset}); call reset() again."
+            )
 
     def _is_tool_action(self, action: Any) -> bool:
         """``list_tools``/``call_tool``: answered before the first reset too, as OpenEnv's
@@ -266,6 +271,7 @@ class Env(Generic[ActT, ObsT]):
     async def call_tool(self, name: str, arguments: dict[str, Any] | None = None) -> Any:
         """Call one tool; raises :class:`ToolError` for unknown tools or bad arguments."""
         self._check_open()
+        self._check_reset_not_failed()
         bound = self.tools().get(name)
         if bound is None:
             known = ", ".join(sorted(self.tools())) or "(none)"

@@ -182,7 +182,10 @@ class GuessNumberEnv(_GuessGame):
     ) -> StepResult[GuessNumberObservation]:
         _check_options("guess-number-v1", options, {"high", "max_steps"})
         high = options.get("high")
-        self._episode_high = self.high if high is None else _positive_int("high", high)
+        episode_high = self.high if high is None else _positive_int("high", high)
+        if options.get("max_steps") is not None:  # every option checked before any change
+            _positive_int("max_steps", options["max_steps"])
+        self._episode_high = episode_high
         self._start(options.get("max_steps"))
         self.secret = self.rng.randint(1, self._episode_high)
         message = (
