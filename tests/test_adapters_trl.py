@@ -208,9 +208,10 @@ def test_rollout_output_keeps_labels_masks_and_stands_in_for_missing_rows() -> N
     assert rollout_output([row([1]), row([1], logprobs=False)])["logprobs"] is None
 
 
-def test_tasks_sharing_a_prompt_take_turns_one_per_group(model_url: str) -> None:
-    """TRL hands over only prompts: variants of one prompt (other seeds) run in turn, each
-    GRPO group (``num_generations`` repeats) on one task."""
+def test_tasks_sharing_a_prompt_take_turns_one_per_step(model_url: str) -> None:
+    """TRL hands over only prompts: variants of one prompt (other seeds) take turns by
+    training step, so every repeat of the prompt in a step (a GRPO group, wherever TRL
+    splits it across processes) runs one task, and reward functions are told which."""
     from types import SimpleNamespace
 
     task = guess_tasks(1)[0]
@@ -218,18 +219,23 @@ def test_tasks_sharing_a_prompt_take_turns_one_per_group(model_url: str) -> None
     other = guess_tasks(2)[1]
     func = EnvportRolloutFunc([task, twin, other], model_url, "scripted")
     prompt, other_prompt = (tasks_dataset([t])[0]["prompt"] for t in (task, other))
-    trainer = SimpleNamespace(args=SimpleNamespace(num_generations=2))
+
+    def at(step: int) -> Any:
+        return SimpleNamespace(state=SimpleNamespace(global_step=step))
 
     def ran() -> list[str | None]:
         return [r.trace.task_id for r in func.last_rollouts]
 
-    out = func([prompt] * 4 + [other_prompt] * 2, trainer)
-    assert len(out["prompt_ids"]) == 6
-    assert ran() == [task.id, task.id, twin.id, twin.id, other.id, other.id]
-    func([prompt] * 2, trainer)  # the turn goes on across calls
-    assert ran() == [task.id, task.id]
-    func([prompt] * 3)  # no trainer: one run of repeats is one group
-    assert ran() == [twin.id] * 3
+    out = func([prompt] * 4 + [other_prompt] * 2, at(0))
+    first = ran()[0]
+    assert first in (task.id, twin.id)
+    assert ran() == [first] * 4 + [other.id] * 2
+    assert out["task_id"] == ran()  # overrides the sampled row's columns for rewards
+    assert out["seed"] == [task.seed if first == task.id else 99] * 4 + [other.seed] * 2
+    func([prompt] * 2, at(1))  # the next step: the other variant
+    assert ran() == [twin.id if first == task.id else task.id] * 2
+    func([prompt] * 3, at(0))  # the same step again (another process, or eval): the same
+    assert ran() == [first] * 3
 
 
 def test_rollout_func_rejects_unknown_prompts(model_url: str) -> None:

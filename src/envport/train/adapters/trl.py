@@ -4,7 +4,7 @@
 trainer)`` with each prompt already repeated ``num_generations`` times and wants exactly
 one completion per prompt, in order. Each prompt is looked up among the tasks it was made
 from (:func:`tasks_dataset` builds the dataset; tasks that share a prompt, such as one
-question on several seeds, are taken in turn, one per group), one envport rollout runs
+question on several seeds, take turns, one per training step), one envport rollout runs
 against an OpenAI-compatible endpoint that returns token ids (vLLM, or envport's policy server),
 and the rollout's token-exact row (:mod:`envport.train.rows`) becomes TRL's
 ``prompt_ids`` / ``completion_ids`` / ``logprobs`` and ``env_mask`` (1 = sampled by
@@ -14,7 +14,8 @@ trained on as they were sampled, never re-tokenized.
 
 Other keys go to the reward functions as keyword arguments: ``env_reward`` (the run's
 reward from the env and the task's rubric; use :func:`env_reward`), ``split_reason``,
-``num_fragments``, ``trace_id``, ``num_turns``. A rollout that split hands TRL one
+``num_fragments``, ``trace_id``, ``num_turns``, and ``task_id`` / ``seed`` of the task that
+ran. A rollout that split hands TRL one
 fragment (``fragment="last"`` by default), with its label; a rollout that gave no row
 (failed, no usable call) is either raised (``on_failure="raise"``) or handed over fully
 masked with ``env_reward=None`` (``"mask"``: it trains nothing, and when every reward
@@ -35,6 +36,7 @@ from __future__ import annotations
 import inspect
 import json
 import uuid
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
@@ -191,7 +193,6 @@ class EnvportRolloutFunc:
         self.tasks: dict[str, list[Task]] = {}
         for task in tasks:
             self.tasks.setdefault(_prompt_key(task_messages(task)), []).append(task)
-        self._turn: Counter[str] = Counter()  # the next variant of each shared prompt
         if not self.tasks:
             raise ValueError("EnvportRolloutFunc needs at least one task")
         self.base_url = base_url
@@ -225,34 +226,22 @@ class EnvportRolloutFunc:
             )
         return variants
 
-    def _tasks_for(self, prompts: Sequence[Any], group_size: int | None) -> list[Task]:
-        """The task each prompt runs. TRL hands over only the prompt, each one repeated
-        ``num_generations`` times in a row: tasks that share a prompt (the same question
-        on other seeds) are taken in turn, one per group of ``group_size`` repeats (the
-        whole run of repeats without a trainer), so a GRPO group is always one task."""
-        keys = [_prompt_key(p) for p in prompts]
-        chosen: list[Task] = []
-        start = 0
-        while start < len(keys):
-            key = keys[start]
+    def _tasks_for(self, prompts: Sequence[Any], turn: int) -> list[Task]:
+        """The task each prompt runs. TRL hands over only the prompt: tasks that share one
+        (the same question on other seeds) are taken in turn, one turn per training step,
+        so every repeat of a prompt in a step (a GRPO group, wherever TRL splits it
+        across processes, in training or evaluation) runs the same task."""
+        chosen = []
+        for prompt in prompts:
+            key = _prompt_key(prompt)
             variants = self._variants(key)
-            end = start
-            while end < len(keys) and keys[end] == key:
-                end += 1
-            size = group_size if group_size and len(variants) > 1 else end - start
-            for first in range(start, end, size):
-                task = variants[self._turn[key] % len(variants)]
-                self._turn[key] += 1
-                chosen.extend([task] * min(size, end - first))
-            start = end
+            pick = (turn + zlib.crc32(key.encode())) % len(variants) if len(variants) > 1 else 0
+            chosen.append(variants[pick])
         return chosen
 
-    async def _run(
-        self, prompts: Sequence[Any], batch: str, group_size: int | None = None
-    ) -> list[Rollout]:
+    async def _run(self, tasks: Sequence[Task], batch: str) -> list[Rollout]:
         import asyncio
 
-        tasks = self._tasks_for(prompts, group_size)
         seen: Counter[str] = Counter()
         indices = []
         for task in tasks:
@@ -278,12 +267,9 @@ class EnvportRolloutFunc:
         self.calls += 1
         step = getattr(getattr(trainer, "state", None), "global_step", None)
         batch = f"{self.run_id}/step{step if step is not None else self.calls}-{self.calls}"
-        group_size = getattr(trainer, "num_generations", None) or getattr(
-            getattr(trainer, "args", None), "num_generations", None
-        )
-        if not isinstance(group_size, int) or group_size < 1:
-            group_size = None
-        rollouts = run_sync(self._run(prompts, batch, group_size))
+        turn = step if isinstance(step, int) else self.calls
+        tasks = self._tasks_for(prompts, turn)
+        rollouts = run_sync(self._run(tasks, batch))
         self.last_rollouts = rollouts
         if self.on_failure == "raise":
             for r in rollouts:
@@ -298,7 +284,12 @@ class EnvportRolloutFunc:
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
         if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
             pad_id = int(tokenizer.pad_token_id)
-        return rollout_output([r.row for r in rollouts], pad_id=pad_id)
+        out = rollout_output([r.row for r in rollouts], pad_id=pad_id)
+        # The task that ran, for reward functions (these override the dataset row's
+        # columns, which name the row TRL sampled: maybe another variant of the prompt).
+        out["task_id"] = [t.id for t in tasks]
+        out["seed"] = [t.seed for t in tasks]
+        return out
 
 
 # --- environment_factory -------------------------------------------------------------------
