@@ -497,7 +497,7 @@ async def test_a_group_is_part_of_a_rollout_s_identity(store: AsyncTraceStore) -
         default = await ctl.collect([RolloutSpec(t, 0, group_id="r/t")])  # the run's own
     assert earlier.succeeded == 4
     assert {r.trace.group_id for r in group} == {"step7/g0"}
-    assert [r.rollout_id for r in group] == [f"r/step7/g0/t/{k}" for k in range(8)]
+    assert [r.rollout_id for r in group] == [f"r/t/{k}@step7/g0" for k in range(8)]
     assert not any(r.skipped for r in group)  # run, not the earlier rollouts returned
     assert [r.trace.trace_id for r in same] == [r.trace.trace_id for r in group]
     assert default[0].rollout_id == "r/t/0"
@@ -686,3 +686,16 @@ async def test_a_restarted_controller_puts_adopted_instances_back_in_their_limit
         assert plain.instance_id in pools[FAULTY]._slots  # no label: the default pool
         (result,) = await ctl.collect([RolloutSpec(task_big)])
         assert result.trace.metadata["instance_id"] == left.instance_id  # reused
+
+
+def test_rollout_ids_with_slashes_in_tasks_and_groups_never_meet() -> None:
+    from envport.rollout.controller import rollout_id
+
+    ids = {
+        rollout_id("r", Task(id="g0/t", prompt="p"), 0, "step1"),
+        rollout_id("r", Task(id="t", prompt="p"), 0, "step1/g0"),
+        rollout_id("r", Task(id="gsm8k/12", prompt="p"), 0),
+        rollout_id("r", Task(id="12", prompt="p"), 0, "gsm8k"),
+        rollout_id("r", Task(id="12", prompt="p"), 0),
+    }
+    assert len(ids) == 5

@@ -33,8 +33,8 @@ Faults, and what becomes of them:
   a row in the store's ``attempts`` table. Other failures end the rollout ``failed``
   with a classified error and no reward: never a 0, never in training data. One
   rollout's failure never touches its siblings.
-* **Restarts.** Rollout ids are deterministic (``run/task/k``, or ``run/group/task/k`` for
-  a spec that names its own group: :func:`rollout_id`). On entry the controller
+* **Restarts.** Rollout ids are deterministic (``run/task/k``, or ``run/task/k@group``
+  for a spec that names its own group: :func:`rollout_id`). On entry the controller
   marks every in-flight attempt of its run ``abandoned`` (reason
   ``controller_restart``), requeues those rollouts, and re-adopts the run's instances
   that its backend still has (``Backend.list``). Rollouts already final are skipped, and
@@ -142,13 +142,15 @@ def default_group(run_id: str, task: Task) -> str:
 
 
 def rollout_id(run_id: str, task: Task, index: int, group_id: str | None = None) -> str:
-    """A rollout's deterministic id: ``run/task/index``, or ``run/group/task/index`` when
-    the spec names a group of its own. A rollout requested for another group is another
-    rollout (a trainer's ``step8/g3`` is never ``step7/g0``'s result, nor mixed into it);
-    the same group, task and index again is the same rollout (resume, exactly once)."""
+    """A rollout's deterministic id: ``run/task/index``, or ``run/task/index@group`` when
+    the spec names a group of its own. The group comes after the index, which ends an
+    ungrouped id, so ids with ``/`` in them (``gsm8k/12``, ``step7/g0``) cannot meet. A
+    rollout requested for another group is another rollout (a trainer's ``step8/g3`` is
+    never ``step7/g0``'s result, nor mixed into it); the same group, task and index again
+    is the same rollout (resume, exactly once)."""
     if group_id is None or group_id == default_group(run_id, task):
         return f"{run_id}/{task.id}/{index}"
-    return f"{run_id}/{group_id}/{task.id}/{index}"
+    return f"{run_id}/{task.id}/{index}@{group_id}"
 
 
 def classify(exc: BaseException, stage: str) -> ErrorKind:
