@@ -337,6 +337,15 @@ def test_last_words_are_the_exception_that_ends_the_last_traceback() -> None:
     )
     assert last_words(log) == "envport.errors.EnvFactoryError: it broke: twice"
     assert last_words("just one line\n\n") == "just one line"
+    uvicorn = (
+        "INFO:     Waiting for application startup.\n"
+        "ERROR:    Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in startup\n'
+        "OSError: [Errno 28] No space left on device\n"
+        "\n"
+        "ERROR:    Application startup failed. Exiting.\n"
+    )
+    assert last_words(uvicorn) == "OSError: [Errno 28] No space left on device"
     assert last_words("") == "(no output)"
 
 

@@ -81,8 +81,14 @@ def check_env_id(env_id: str) -> None:
     spec(env_id)
 
 
-#: A line that starts a traceback, or joins two of them: never the cause itself.
-_FRAMING = ("Traceback ", "During handling of", "The above exception")
+#: A line that starts a traceback, or joins two of them, or a log record (uvicorn's
+#: ``ERROR:    Application startup failed. Exiting.``): never the cause itself.
+_FRAMING = (
+    "Traceback ",
+    "During handling of",
+    "The above exception",
+    *(f"{level}:" for level in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+)
 #: ``Type: message`` (or a bare ``Type``), as the last line of a traceback reads.
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(:\s|$)")
 
