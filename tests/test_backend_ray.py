@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from envport.errors import EnvportError
 from envport.rollout.backends.base import BackendError, EnvLaunch, Limits
 from envport.serving import free_port
 from tests.support.backends import echo
@@ -275,8 +276,12 @@ async def test_readopts_instances_after_controller_restart(
 
 
 async def test_bad_launches_raise_clear_errors(backend: RayBackend) -> None:
-    with pytest.raises(BackendError, match=r"UnknownEnvError.*Registered: .*echo-v1"):
+    # An environment no actor can build is the environment's own error, as in-process
+    # (the controller does not retry it), not a backend failure.
+    with pytest.raises(EnvportError, match=r"^Unknown environment 'no-such-env-v1'") as e:
         await backend.start(EnvLaunch(env_id="no-such-env-v1"))
+    assert not isinstance(e.value, BackendError)
+    assert "Registered: " in str(e.value)
     with pytest.raises(BackendError, match="cannot enforce pids"):
         await backend.start(EnvLaunch(env_id="echo-v1", limits=Limits(pids=10)))
     with pytest.raises(ValueError, match="placement"):

@@ -44,6 +44,7 @@ from typing import Any, ClassVar, Literal
 
 import httpx
 
+from envport.errors import from_wire
 from envport.rollout.backends.base import (
     Backend,
     BackendError,
@@ -89,8 +90,12 @@ class _EnvServerActor:
         Errors come back as text: envport's exceptions carry keyword state that Ray's
         exception pickling cannot rebuild on the driver.
         """
+        from envport.errors import EnvportError
+
         try:
             return self._serve(env_id, options, sessions, bind_host, startup_timeout_s)
+        except EnvportError as exc:  # the environment could not be built: its own error
+            return {"env_error": exc.to_wire()}
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -276,6 +281,9 @@ class RayBackend(Backend):
             raise BackendError(
                 f"{launch.env_id!r} failed to start on Ray: {_ray_cause(ray, exc)}"
             ) from exc
+        if "env_error" in described:  # the environment's error, as in-process: not retried
+            await self._kill(name)
+            raise from_wire(described["env_error"])
         if "error" in described:
             await self._kill(name)
             raise BackendError(f"{launch.env_id!r} failed to start on Ray: {described['error']}")
