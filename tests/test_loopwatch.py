@@ -7,13 +7,15 @@ come for a minute or an hour (the stalled call's sleep or spin): not a speed ass
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
 import subprocess
 import time
+import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,25 @@ async def test_calls_that_block_one_after_another_in_one_stall_are_each_interrup
         assert watchdog.stats()["loop_stall_interrupts"] == 2
         await a.close()
         await b.close()
+    finally:
+        watchdog.stop()
+
+
+async def test_an_interrupted_environment_is_not_kept_alive_by_the_watchdog() -> None:
+    watchdog = LoopWatchdog(warn_s=0.1, exit_after_s=None)
+    watchdog.start()
+    try:
+        session = Session(FaultyEnv, call_timeout_s=0.3)
+        await session.reset()
+        interrupted = weakref.ref(session.env)
+        with suppress(EnvTimeoutError):
+            await session.step({"message": "loop_sleep:3600"})
+        await asyncio.sleep(0.5)  # the loop beats again: the stall is over
+        await session.close()
+        del session
+        FaultyEnv.instances.clear()
+        gc.collect()
+        assert interrupted() is None  # the watchdog holds no frame of it
     finally:
         watchdog.stop()
 

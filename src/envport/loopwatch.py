@@ -163,8 +163,8 @@ class LoopWatchdog:
     def _check(self, now: float) -> None:
         beat = self._beat
         stalled = now - beat - self.interval_s  # the beat is due every interval_s
-        if stalled < self.warn_s:
-            self._stall_beat = None
+        if stalled < self.warn_s:  # the loop beats: no call is stuck (forget the last)
+            self._stall_beat = self._target = self._target_beat = None
             return
         frame = sys._current_frames().get(self._loop_thread)
         if self._stall_beat != beat:  # a new stall
@@ -182,11 +182,11 @@ class LoopWatchdog:
         call = self._stalled_call(frame)
         if call is None:
             return
-        guard, deadline = call
+        stuck, deadline = call
         if deadline is None or now < deadline:
             return  # no deadline (--call-timeout 0), or not yet: only the warning
-        if self._target is not guard:
-            self._interrupt(guard, beat)
+        if self._target is not stuck:
+            self._interrupt(stuck, beat)
         elif self._should_exit(now, deadline):
             log.critical(
                 "An environment call has blocked the event loop for %.1f s and did not "
@@ -207,22 +207,27 @@ class LoopWatchdog:
         )
 
     def _stalled_call(self, frame: FrameType | None) -> tuple[FrameType, float | None] | None:
-        """The innermost environment call on the stuck stack, and its deadline."""
+        """The innermost environment call on the stuck stack (the frame ``_guard`` runs
+        it in: gone from the stack once the call returns, even while ``_guard`` still
+        runs), and its deadline."""
+        inner: FrameType | None = None
         while frame is not None:
             if frame.f_code is self._guard:
+                if inner is None:  # in _guard's own code, not in the call
+                    return None
                 session = frame.f_locals.get("self")
                 limit = frame.f_locals.get("limit")
                 started = getattr(session, "call_started", None)
                 if isinstance(limit, int | float) and isinstance(started, float):
-                    return frame, started + limit
-                return frame, None
-            frame = frame.f_back
+                    return inner, started + limit
+                return inner, None
+            inner, frame = frame, frame.f_back
         return None
 
-    def _interrupt(self, guard: FrameType, beat: float) -> None:
-        self._target, self._target_beat = guard, beat
+    def _interrupt(self, stuck: FrameType, beat: float) -> None:
         if self._on_main:
             # The handler raises only if this call is still the one stuck.
+            self._target, self._target_beat = stuck, beat
             signal.pthread_kill(self._loop_thread, INTERRUPT_SIGNAL)
         else:
             # Checked again with nothing in between that releases the GIL (no I/O): the
@@ -230,12 +235,13 @@ class LoopWatchdog:
             # exception lands in the stuck call, unless the GIL's switch interval (5 ms)
             # runs out within these few microseconds.
             if self._beat != beat or not _on_stack(
-                sys._current_frames().get(self._loop_thread), guard
+                sys._current_frames().get(self._loop_thread), stuck
             ):
                 return
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self._loop_thread), ctypes.py_object(LoopStalled)
             )
+            self._target, self._target_beat = stuck, beat
         self.interrupts += 1
         log.error("Interrupting the environment call that blocks the loop past its deadline.")
 
