@@ -208,34 +208,35 @@ def test_rollout_output_keeps_labels_masks_and_stands_in_for_missing_rows() -> N
     assert rollout_output([row([1]), row([1], logprobs=False)])["logprobs"] is None
 
 
-def test_tasks_sharing_a_prompt_take_turns_one_per_step(model_url: str) -> None:
-    """TRL hands over only prompts: variants of one prompt (other seeds) take turns by
-    training step, so every repeat of the prompt in a step (a GRPO group, wherever TRL
-    splits it across processes) runs one task, and reward functions are told which."""
-    from types import SimpleNamespace
-
+def test_tasks_sharing_a_prompt_take_turns_one_per_call(model_url: str) -> None:
+    """TRL hands over only prompts: variants of one prompt (other seeds) take turns, one
+    per call of rollout_func (every process makes the same calls, in training and in
+    evaluation, whatever the steps between them), so every repeat of the prompt in a
+    call (a GRPO group, wherever TRL splits it) runs one task, and reward functions are
+    told which."""
     task = guess_tasks(1)[0]
-    twin = task.model_copy(update={"id": "twin", "seed": 99})
+    twin = task.model_copy(update={"id": "twin", "seed": 99, "env_options": {"high": 7}})
     other = guess_tasks(2)[1]
     func = EnvportRolloutFunc([task, twin, other], model_url, "scripted")
     prompt, other_prompt = (tasks_dataset([t])[0]["prompt"] for t in (task, other))
 
-    def at(step: int) -> Any:
-        return SimpleNamespace(state=SimpleNamespace(global_step=step))
-
     def ran() -> list[str | None]:
         return [r.trace.task_id for r in func.last_rollouts]
 
-    out = func([prompt] * 4 + [other_prompt] * 2, at(0))
+    out = func([prompt] * 4 + [other_prompt] * 2)
     first = ran()[0]
     assert first in (task.id, twin.id)
     assert ran() == [first] * 4 + [other.id] * 2
     assert out["task_id"] == ran()  # overrides the sampled row's columns for rewards
-    assert out["seed"] == [task.seed if first == task.id else 99] * 4 + [other.seed] * 2
-    func([prompt] * 2, at(1))  # the next step: the other variant
-    assert ran() == [twin.id if first == task.id else task.id] * 2
-    func([prompt] * 3, at(0))  # the same step again (another process, or eval): the same
-    assert ran() == [first] * 3
+    ran_task = task if first == task.id else twin
+    assert out["seed"] == [ran_task.seed] * 4 + [other.seed] * 2
+    assert out["env_options"][0] == json.dumps(ran_task.env_options)
+    seen = [first]
+    for _ in range(3):  # each call the next variant: both get their turns
+        func([prompt] * 2)
+        assert len(set(ran())) == 1
+        seen.append(ran()[0])
+    assert seen == [first, *[t for t in (task.id, twin.id) if t != first], first, seen[1]]
 
 
 def test_rollout_func_rejects_unknown_prompts(model_url: str) -> None:

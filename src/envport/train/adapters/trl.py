@@ -4,7 +4,7 @@
 trainer)`` with each prompt already repeated ``num_generations`` times and wants exactly
 one completion per prompt, in order. Each prompt is looked up among the tasks it was made
 from (:func:`tasks_dataset` builds the dataset; tasks that share a prompt, such as one
-question on several seeds, take turns, one per training step), one envport rollout runs
+question on several seeds, take turns, one per call), one envport rollout runs
 against an OpenAI-compatible endpoint that returns token ids (vLLM, or envport's policy server),
 and the rollout's token-exact row (:mod:`envport.train.rows`) becomes TRL's
 ``prompt_ids`` / ``completion_ids`` / ``logprobs`` and ``env_mask`` (1 = sampled by
@@ -14,8 +14,8 @@ trained on as they were sampled, never re-tokenized.
 
 Other keys go to the reward functions as keyword arguments: ``env_reward`` (the run's
 reward from the env and the task's rubric; use :func:`env_reward`), ``split_reason``,
-``num_fragments``, ``trace_id``, ``num_turns``, and ``task_id`` / ``seed`` of the task that
-ran. A rollout that split hands TRL one
+``num_fragments``, ``trace_id``, ``num_turns``, and ``task_id`` / ``seed`` / ``env_options``
+of the task that ran. A rollout that split hands TRL one
 fragment (``fragment="last"`` by default), with its label; a rollout that gave no row
 (failed, no usable call) is either raised (``on_failure="raise"``) or handed over fully
 masked with ``env_reward=None`` (``"mask"``: it trains nothing, and when every reward
@@ -228,9 +228,10 @@ class EnvportRolloutFunc:
 
     def _tasks_for(self, prompts: Sequence[Any], turn: int) -> list[Task]:
         """The task each prompt runs. TRL hands over only the prompt: tasks that share one
-        (the same question on other seeds) are taken in turn, one turn per training step,
-        so every repeat of a prompt in a step (a GRPO group, wherever TRL splits it
-        across processes, in training or evaluation) runs the same task."""
+        (the same question on other seeds) take turns, one turn per call (``turn``: every
+        process calls once per generation, training or evaluation, so all agree), and
+        every repeat of a prompt in a call (a GRPO group, wherever TRL splits it across
+        processes) runs the same task."""
         chosen = []
         for prompt in prompts:
             key = _prompt_key(prompt)
@@ -267,8 +268,7 @@ class EnvportRolloutFunc:
         self.calls += 1
         step = getattr(getattr(trainer, "state", None), "global_step", None)
         batch = f"{self.run_id}/step{step if step is not None else self.calls}-{self.calls}"
-        turn = step if isinstance(step, int) else self.calls
-        tasks = self._tasks_for(prompts, turn)
+        tasks = self._tasks_for(prompts, self.calls)
         rollouts = run_sync(self._run(tasks, batch))
         self.last_rollouts = rollouts
         if self.on_failure == "raise":
@@ -289,6 +289,7 @@ class EnvportRolloutFunc:
         # columns, which name the row TRL sampled: maybe another variant of the prompt).
         out["task_id"] = [t.id for t in tasks]
         out["seed"] = [t.seed for t in tasks]
+        out["env_options"] = [json.dumps(t.env_options) for t in tasks]
         return out
 
 
