@@ -144,7 +144,8 @@ def default_group(run_id: str, task: Task) -> str:
 def rollout_id(run_id: str, task: Task, index: int, group_id: str | None = None) -> str:
     """A rollout's deterministic id: ``run/task/index``, or ``run/task/index@group`` when
     the spec names a group of its own. The group comes after the index, which ends an
-    ungrouped id, so ids with ``/`` in them (``gsm8k/12``, ``step7/g0``) cannot meet. A
+    ungrouped id, so ids with ``/`` in them (``gsm8k/12``, ``step7/g0``) cannot meet
+    (task ids with ``@`` in them could). A
     rollout requested for another group is another rollout (a trainer's ``step8/g3`` is
     never ``step7/g0``'s result, nor mixed into it); the same group, task and index again
     is the same rollout (resume, exactly once)."""
