@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from envport.errors import EnvportError
 from envport.rollout.backends.base import (
     BackendError,
     BackendUnavailableError,
@@ -168,9 +169,16 @@ async def test_failed_start_reports_the_pods_log_and_leaves_nothing(
 ) -> None:
     fake, _ = kube
     before = set(fake.jobs)
-    with pytest.raises(BackendError, match=r"exited 2 \(Error\)[\s\S]*Unknown environment") as info:
+    # An environment the pod cannot load is the environment's own error (as in-process,
+    # not retried), read back from the pod's termination message.
+    with pytest.raises(EnvportError, match=r"^Unknown environment 'no-such-env-v1'") as info:
         await backend.start(EnvLaunch(env_id="no-such-env-v1"))
+    assert not isinstance(info.value, BackendError)
     assert "Registered: " in str(info.value)
+    # A server that crashes while starting (here: the constructor refuses its options) is
+    # the backend's failure, reported with the pod's log.
+    with pytest.raises(BackendError, match=r"exited 1 \(Error\)[\s\S]*high must be"):
+        await backend.start(EnvLaunch(env_id="guess-number-v1", options={"high": 0}))
     assert set(fake.jobs) == before
 
 

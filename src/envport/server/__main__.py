@@ -1,16 +1,41 @@
 """``python -m envport.server ENV [--host H] [--port P]``: serve without the CLI.
 
 A ``module:Class`` ENV imports from the current directory first, as with ``envport serve``.
+An ENV that cannot be loaded is reported on stderr as one line, ``envport-env-error: `` and
+the error's wire form (JSON), and the process exits with status 3: whoever started it (the
+Kubernetes backend reads the pod's termination message) can raise the environment's own
+error again instead of a crash.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from envport.errors import EnvportError
 from envport.registry import import_from_cwd, resolve
 from envport.server import ServerConfig, serve, ws_impl
+
+#: How a line on stderr that carries an environment's error as its wire form starts.
+ENV_ERROR_MARK = "envport-env-error: "
+#: The exit status when the environment cannot be loaded.
+ENV_ERROR_EXIT = 3
+
+
+def env_error_in(text: str) -> EnvportError | None:
+    """The environment error a server reported in ``text`` (its log or a pod's
+    termination message), rebuilt from its wire form, if any."""
+    from envport.errors import from_wire
+
+    for line in reversed(text.splitlines()):
+        if line.startswith(ENV_ERROR_MARK):
+            try:
+                data = json.loads(line[len(ENV_ERROR_MARK) :])
+            except ValueError:
+                return None
+            return from_wire(data) if isinstance(data, dict) else None
+    return None
 
 
 def main() -> None:
@@ -39,8 +64,11 @@ def main() -> None:
     import_from_cwd()
     try:
         factory, _ = resolve(args.env, options)
-    except (EnvportError, ValueError, TypeError) as exc:
-        parser.error(exc.message if isinstance(exc, EnvportError) else str(exc))
+    except EnvportError as exc:
+        print(f"{ENV_ERROR_MARK}{json.dumps(exc.to_wire(), default=str)}", file=sys.stderr)
+        raise SystemExit(ENV_ERROR_EXIT) from None
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     serve(
         factory,
         host=args.host,

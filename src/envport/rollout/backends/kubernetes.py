@@ -353,6 +353,9 @@ class KubernetesBackend(Backend):
             if pod is not None:
                 phase = pod.status.phase if pod.status else None
                 if phase in ("Failed", "Succeeded"):
+                    reported = _env_error(pod)
+                    if reported is not None:  # the environment's own error: not retried
+                        raise reported
                     raise BackendError(f"pod {pod.metadata.name} {_why_ended(pod)}")
                 if phase == "Running" and _ready(pod):
                     return pod
@@ -495,6 +498,20 @@ def _ready(pod: Any) -> bool:
     if status is None or status.phase != "Running" or not status.pod_ip:
         return False
     return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
+
+
+def _env_error(pod: Any) -> Exception | None:
+    """The environment error the server reported in a container's termination message
+    (``python -m envport.server`` could not load its environment), if any."""
+    from envport.server.__main__ import env_error_in
+
+    for cs in (pod.status.container_statuses if pod.status else None) or []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None and term.message:
+            found = env_error_in(term.message)
+            if found is not None:
+                return found
+    return None
 
 
 def _why_ended(pod: Any) -> str:
