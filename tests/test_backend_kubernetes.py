@@ -175,11 +175,27 @@ async def test_failed_start_reports_the_pods_log_and_leaves_nothing(
         await backend.start(EnvLaunch(env_id="no-such-env-v1"))
     assert not isinstance(info.value, BackendError)
     assert "Registered: " in str(info.value)
-    # A server that crashes while starting (here: the constructor refuses its options) is
-    # the backend's failure, reported with the pod's log.
-    with pytest.raises(BackendError, match=r"exited 1 \(Error\)[\s\S]*high must be"):
+    # So is a constructor that raises.
+    with pytest.raises(EnvportError, match=r"high must be a positive integer") as info:
         await backend.start(EnvLaunch(env_id="guess-number-v1", options={"high": 0}))
+    assert not isinstance(info.value, BackendError)
     assert set(fake.jobs) == before
+
+
+async def test_a_server_that_crashes_at_start_is_reported_with_its_log(
+    kube: tuple[FakeKube, str],
+) -> None:
+    fake, url = kube
+    before = set(fake.jobs)
+    crashing = DEFAULT_TEMPLATE.read_text().replace(
+        '["python", "-m", "envport.server", "${env_id}"]',
+        '["python", "-c", "import sys; sys.exit(\'out of disk, for instance\')", "${env_id}"]',
+    )
+    async with KubernetesBackend(host=url, namespace="rl", port=PORT, template=crashing) as b:
+        with pytest.raises(BackendError, match=r"exited 1 \(Error\)[\s\S]*out of disk"):
+            await b.start(EnvLaunch(env_id="echo-v1"))
+        assert await b.list() == []
+    assert set(fake.jobs) == before  # nothing left behind
 
 
 async def test_a_start_cancelled_while_its_create_is_in_flight_leaves_no_job(

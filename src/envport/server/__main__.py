@@ -1,10 +1,10 @@
 """``python -m envport.server ENV [--host H] [--port P]``: serve without the CLI.
 
 A ``module:Class`` ENV imports from the current directory first, as with ``envport serve``.
-An ENV that cannot be loaded is reported on stderr as one line, ``envport-env-error: `` and
-the error's wire form (JSON), and the process exits with status 3: whoever started it (the
-Kubernetes backend reads the pod's termination message) can raise the environment's own
-error again instead of a crash.
+An ENV that cannot be built (not loaded, or its constructor raises) is reported on stderr
+as one line, ``envport-env-error: `` and the error's wire form (JSON), and the process
+exits with status 3: whoever started it (the Kubernetes backend reads the pod's
+termination message) can raise the environment's own error again instead of a crash.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NoReturn
 
-from envport.errors import EnvportError
+from envport.errors import EnvFactoryError, EnvportError
 from envport.registry import import_from_cwd, resolve
-from envport.server import ServerConfig, serve, ws_impl
+from envport.server import ServerConfig, create_app, uvicorn_config, ws_impl
 
 #: How a line on stderr that carries an environment's error as its wire form starts.
 ENV_ERROR_MARK = "envport-env-error: "
@@ -65,17 +66,28 @@ def main() -> None:
     try:
         factory, _ = resolve(args.env, options)
     except EnvportError as exc:
-        print(f"{ENV_ERROR_MARK}{json.dumps(exc.to_wire(), default=str)}", file=sys.stderr)
-        raise SystemExit(ENV_ERROR_EXIT) from None
+        _report(exc)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    serve(
-        factory,
-        host=args.host,
-        port=args.port,
-        config=ServerConfig(max_sessions=args.max_sessions),
-        log_level=args.log_level,
-    )
+    config = ServerConfig(max_sessions=args.max_sessions)
+    try:
+        app = create_app(factory, config)  # builds one environment: its constructor runs
+    except EnvportError as exc:
+        _report(exc)
+    except Exception as exc:
+        _report(EnvFactoryError(f"Could not create the environment: {type(exc).__name__}: {exc}"))
+    import uvicorn
+
+    uvicorn.Server(
+        uvicorn_config(app, host=args.host, port=args.port, config=config, log_level=args.log_level)
+    ).run()
+
+
+def _report(exc: EnvportError) -> NoReturn:
+    """Say on stderr, as one line of its wire form, that the environment cannot be
+    built, and exit with :data:`ENV_ERROR_EXIT`."""
+    print(f"{ENV_ERROR_MARK}{json.dumps(exc.to_wire(), default=str)}", file=sys.stderr)
+    raise SystemExit(ENV_ERROR_EXIT)
 
 
 if __name__ == "__main__":
