@@ -29,6 +29,7 @@ Foreign exceptions are mapped to these once, at the boundary that sees them.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any
@@ -279,3 +280,29 @@ def from_wire(data: dict[str, Any]) -> EnvportError:
     if cls is None:
         return RemoteError(message, raw_code, **details)
     return cls(message, **details)
+
+
+# --- an environment that cannot be built, reported by a server process ------------------
+
+#: How a line on stderr that carries an environment's error as its wire form starts.
+ENV_ERROR_MARK = "envport-env-error: "
+#: Exit status of a server process whose environment could not be built.
+ENV_ERROR_EXIT = 3
+
+
+def env_error_line(exc: EnvportError) -> str:
+    """The one line a server process prints when its environment cannot be built."""
+    return f"{ENV_ERROR_MARK}{json.dumps(exc.to_wire(), default=str)}"
+
+
+def env_error_in(text: str) -> EnvportError | None:
+    """The environment error a server reported in ``text`` (its log, or a pod's
+    termination message) with :func:`env_error_line`, rebuilt, if any."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(ENV_ERROR_MARK):
+            try:
+                data = json.loads(line[len(ENV_ERROR_MARK) :])
+            except ValueError:
+                return None
+            return from_wire(data) if isinstance(data, dict) else None
+    return None

@@ -25,7 +25,13 @@ from typing import Any, TypeVar
 from envport.coro import resume
 from envport.deadlines import declared_timeout, extended
 from envport.env import Env
-from envport.errors import EnvClosedError, EnvNotResetError, EnvTimeoutError
+from envport.errors import (
+    EnvClosedError,
+    EnvFactoryError,
+    EnvNotResetError,
+    EnvportError,
+    EnvTimeoutError,
+)
 from envport.loopwatch import LoopStalled
 from envport.types import State, StepResult
 
@@ -80,6 +86,19 @@ class _Turns:
         self.busy = False
 
 
+def build_env(factory: EnvFactory) -> Env[Any, Any]:
+    """One environment from ``factory``; what its constructor raises, other than an envport
+    error, becomes :class:`~envport.errors.EnvFactoryError` naming it."""
+    try:
+        return factory()
+    except EnvportError:
+        raise
+    except Exception as exc:
+        raise EnvFactoryError(
+            f"Could not create the environment: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 class SessionStatus(enum.Enum):
     ACTIVE = "active"
     POISONED = "poisoned"  # a call timed out; the next reset replaces the environment
@@ -98,7 +117,7 @@ class Session:
         self.token = secrets.token_urlsafe(24)
         self.tools_token = secrets.token_urlsafe(24)
         self.factory = factory
-        self.env = factory()
+        self.env = build_env(factory)
         self.call_timeout_s = call_timeout_s
         self.status = SessionStatus.ACTIVE
         self.created_at = time.monotonic()
@@ -119,7 +138,7 @@ class Session:
         try:
             self._check_open()
             if self.status is SessionStatus.POISONED:
-                self.env = self.factory()
+                self.env = build_env(self.factory)
                 self.status = SessionStatus.ACTIVE
             return await self._guard("reset", self.env.reset(**kwargs))
         finally:

@@ -14,29 +14,9 @@ import json
 import sys
 from typing import NoReturn
 
-from envport.errors import EnvFactoryError, EnvportError
+from envport.errors import ENV_ERROR_EXIT, EnvportError, env_error_line
 from envport.registry import import_from_cwd, resolve
 from envport.server import ServerConfig, create_app, uvicorn_config, ws_impl
-
-#: How a line on stderr that carries an environment's error as its wire form starts.
-ENV_ERROR_MARK = "envport-env-error: "
-#: The exit status when the environment cannot be loaded.
-ENV_ERROR_EXIT = 3
-
-
-def env_error_in(text: str) -> EnvportError | None:
-    """The environment error a server reported in ``text`` (its log or a pod's
-    termination message), rebuilt from its wire form, if any."""
-    from envport.errors import from_wire
-
-    for line in reversed(text.splitlines()):
-        if line.startswith(ENV_ERROR_MARK):
-            try:
-                data = json.loads(line[len(ENV_ERROR_MARK) :])
-            except ValueError:
-                return None
-            return from_wire(data) if isinstance(data, dict) else None
-    return None
 
 
 def main() -> None:
@@ -74,8 +54,6 @@ def main() -> None:
         app = create_app(factory, config)  # builds one environment: its constructor runs
     except EnvportError as exc:
         _report(exc)
-    except Exception as exc:
-        _report(EnvFactoryError(f"Could not create the environment: {type(exc).__name__}: {exc}"))
     import uvicorn
 
     uvicorn.Server(
@@ -86,7 +64,7 @@ def main() -> None:
 def _report(exc: EnvportError) -> NoReturn:
     """Say on stderr, as one line of its wire form, that the environment cannot be
     built, and exit with :data:`ENV_ERROR_EXIT`."""
-    print(f"{ENV_ERROR_MARK}{json.dumps(exc.to_wire(), default=str)}", file=sys.stderr)
+    print(env_error_line(exc), file=sys.stderr)
     raise SystemExit(ENV_ERROR_EXIT)
 
 

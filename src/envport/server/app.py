@@ -20,7 +20,7 @@ from envport.registry import resolve
 from envport.server import http
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.server.ws import websocket_endpoint
-from envport.session import EnvFactory
+from envport.session import EnvFactory, build_env
 from envport.types import EnvMetadata
 
 
@@ -34,7 +34,7 @@ def create_app(
     config = config or ServerConfig()
     factory, env_name = resolve(env)
     manager = SessionManager(factory, config)
-    probe = factory()
+    probe = build_env(factory)  # a constructor's failure: EnvFactoryError
     meta: EnvMetadata = probe.metadata()  # a wrapper's: what it wraps
     meta.tools = [t.name for t in probe.tool_specs()]
     endpoint = None

@@ -22,7 +22,6 @@ from pydantic import BaseModel, Field
 
 from envport.errors import (
     CapacityError,
-    EnvFactoryError,
     EnvportError,
     ForbiddenError,
     SessionNotFoundError,
@@ -76,14 +75,9 @@ class SessionManager:
             await self._wait_for_slot()
         try:
             session = Session(self.factory, call_timeout_s=self.config.call_timeout_s)
-        except EnvportError:
+        except EnvportError:  # the constructor's failure is an EnvFactoryError (build_env)
             self._release_slot()  # the slot it was woken for goes to the next in line
             raise
-        except Exception as exc:
-            self._release_slot()
-            raise EnvFactoryError(
-                f"Could not create the environment: {type(exc).__name__}: {exc}"
-            ) from exc
         self.sessions[session.id] = session
         self._by_token[session.token] = session
         self._by_tools_token[session.tools_token] = session

@@ -26,10 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from envport.errors import EnvFactoryError, EnvportError
-
-#: Exit status of a server process whose environment could not be built.
-ENV_ERROR_EXIT = 3
+from envport.errors import ENV_ERROR_EXIT, EnvFactoryError, EnvportError, env_error_line
 
 
 def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
@@ -87,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             tmp = Path(args.error_file + ".tmp")
             tmp.write_text(json.dumps(exc.to_wire(), default=str))
             tmp.replace(args.error_file)
-        print(f"envport: environment {args.env!r} not built: {exc}", file=sys.stderr)
+        print(env_error_line(exc), file=sys.stderr)
         raise SystemExit(ENV_ERROR_EXIT) from None
     if args.uds is not None:
         uv = uvicorn_config(app, host="127.0.0.1", port=0, config=config)

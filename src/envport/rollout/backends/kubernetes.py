@@ -49,6 +49,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import httpx
 
+from envport.errors import env_error_in
 from envport.rollout.backends.base import (
     Backend,
     BackendError,
@@ -503,8 +504,6 @@ def _ready(pod: Any) -> bool:
 def _env_error(pod: Any) -> Exception | None:
     """The environment error the server reported in a container's termination message
     (``python -m envport.server`` could not load its environment), if any."""
-    from envport.server.__main__ import env_error_in
-
     for cs in (pod.status.container_statuses if pod.status else None) or []:
         term = cs.state.terminated if cs.state else None
         if term is not None and term.message:
