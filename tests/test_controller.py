@@ -514,6 +514,23 @@ async def test_a_group_is_part_of_a_rollout_s_identity(store: AsyncTraceStore) -
     assert len(await store.query(run_id="r", limit=None)) == 12
 
 
+async def test_a_task_id_with_at_signs_never_spells_another_rollout_s_id(
+    store: AsyncTraceStore,
+) -> None:
+    """Task ``t/0@g`` (rollout 5) and task ``t`` (rollout 0, group ``g/5``) would both
+    read ``r/t/0@g/5`` unescaped: the second found the first's trace and never ran."""
+    harness = ScriptHarness()
+    config = ControllerConfig(**FAST)
+    async with Controller(store, InProcessBackend(), harness, config, run_id="r") as ctl:
+        first = await ctl.collect([RolloutSpec(task("t/0@g", ["hi"]), 5)])
+        second = await ctl.collect([RolloutSpec(task("t", ["hi"]), 0, group_id="g/5")])
+    assert first[0].rollout_id == "r/t/0%40g/5"
+    assert second[0].rollout_id == "r/t/0@g/5"
+    assert not second[0].skipped
+    traces = await store.query(run_id="r", limit=None)
+    assert sorted(tr.task_id for tr in traces) == ["t", "t/0@g"]  # task ids as given
+
+
 class RecordingBackend(InProcessBackend):
     """In-process instances, remembering every launch the controller asked for."""
 

@@ -143,15 +143,17 @@ def default_group(run_id: str, task: Task) -> str:
 
 def rollout_id(run_id: str, task: Task, index: int, group_id: str | None = None) -> str:
     """A rollout's deterministic id: ``run/task/index``, or ``run/task/index@group`` when
-    the spec names a group of its own. The group comes after the index, which ends an
-    ungrouped id, so ids with ``/`` in them (``gsm8k/12``, ``step7/g0``) cannot meet
-    (task ids with ``@`` in them could). A
-    rollout requested for another group is another rollout (a trainer's ``step8/g3`` is
-    never ``step7/g0``'s result, nor mixed into it); the same group, task and index again
-    is the same rollout (resume, exactly once)."""
+    the spec names a group of its own. A rollout requested for another group is another
+    rollout (a trainer's ``step8/g3`` is never ``step7/g0``'s result, nor mixed into it);
+    the same group, task and index again is the same rollout (resume, exactly once).
+
+    The task id's ``%`` and ``@`` are percent-encoded (``a@b`` is ``a%40b`` here; the
+    trace's ``task_id`` keeps it as it is), so the first ``@`` is always the group's:
+    no task id, index and group can spell another's id."""
+    task_part = task.id.replace("%", "%25").replace("@", "%40")
     if group_id is None or group_id == default_group(run_id, task):
-        return f"{run_id}/{task.id}/{index}"
-    return f"{run_id}/{task.id}/{index}@{group_id}"
+        return f"{run_id}/{task_part}/{index}"
+    return f"{run_id}/{task_part}/{index}@{group_id}"
 
 
 def classify(exc: BaseException, stage: str) -> ErrorKind:
