@@ -76,6 +76,20 @@ def test_help_lists_every_command() -> None:
         assert command in result.stdout
 
 
+def test_python_dash_m_envport_is_the_same_command() -> None:
+    """``python -m envport`` where the console script is not on PATH: same usage line,
+    same commands, same exit codes."""
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+    run = [sys.executable, "-m", "envport"]
+    result = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert "Usage: envport " in result.stdout
+    assert " eval" in result.stdout and " gateway" in result.stdout
+    wrong = subprocess.run([*run, "no-such-command"], capture_output=True, text=True, env=env)
+    assert wrong.returncode == 2
+    assert "No such command" in wrong.stderr
+
+
 def test_root_description_names_what_the_command_does_now() -> None:
     result = envport_cli("--help")
     assert result.returncode == 0, result.stderr

@@ -87,8 +87,14 @@ def test_run_refuses_to_mix_runs_and_bad_input(tmp_path: Path) -> None:
     )
     assert remote.returncode == 2
     assert "local backends only" in remote.stderr
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "b", "prompt": "2+2"}\n{bad\n')
+    malformed = envport_cli("run", str(tasks), "--store", str(db), "--run-id", "m", timeout=60)
+    assert malformed.returncode == 2
+    assert "tasks.jsonl:2: invalid JSON" in malformed.stderr
     with SQLiteTraceStore(db) as store:
         assert store.count(run_id="a") == 2  # nothing run twice
+        assert store.count(run_id="m") == 0  # nothing of the malformed file ran
 
 
 def test_ctrl_c_stops_every_server_and_says_how_to_resume(tmp_path: Path) -> None:
