@@ -72,7 +72,10 @@ target alike.
 Pinning (``--layout``; ``--no-pin`` to turn off): ``proxy-alone`` (default) gives the
 proxy under test CPUs 1.. and puts the client and the fake upstream (a gateway's outside
 world; a model server is on another machine in production) on CPU 0; ``client-alone``
-puts the client alone on CPU 0 and proxy and upstream on the rest.
+puts the client alone on CPU 0 and proxy and upstream on the rest; ``agent-side`` puts
+the client and the proxy on CPU 0 and the upstream on the rest: a gateway deployed next to
+the agents it serves, the model server elsewhere (the direct path then also crosses to
+the upstream's CPU, as a real call crosses the network).
 
 ``--awake-cpus`` keeps the proxy's CPUs from idling: one spinner per CPU at SCHED_IDLE
 priority (it runs only when nothing else wants the CPU, and yields at once when the proxy
@@ -1149,7 +1152,9 @@ def main() -> None:
     )
     p.add_argument("--agl-python", default=str(AGL_VENV / "bin" / "python"))
     p.add_argument("--no-pin", action="store_true")
-    p.add_argument("--layout", choices=["proxy-alone", "client-alone"], default="proxy-alone")
+    p.add_argument(
+        "--layout", choices=["proxy-alone", "client-alone", "agent-side"], default="proxy-alone"
+    )
     p.add_argument(
         "--awake-cpus",
         action="store_true",
@@ -1180,6 +1185,9 @@ def main() -> None:
         # The proxy under test gets a core to itself; the client and the fake model
         # server (both "the outside world" for a gateway) share the other.
         client_cpus, upstream_cpus, proxy_cpus = {0}, {0}, set(range(1, ncpu))
+    elif pin and args.layout == "agent-side":
+        # The gateway beside its agents; the model server on the other CPU(s).
+        client_cpus, upstream_cpus, proxy_cpus = {0}, set(range(1, ncpu)), {0}
     elif pin:  # client-alone: the earlier layout
         client_cpus, upstream_cpus, proxy_cpus = {0}, set(range(1, ncpu)), set(range(1, ncpu))
     else:
@@ -1230,6 +1238,7 @@ def _run_all(
         where = {
             "proxy-alone": "proxy on CPU 1; client + upstream on CPU 0",
             "client-alone": "client on CPU 0; proxy + upstream on CPU 1",
+            "agent-side": "client + proxy on CPU 0; upstream on CPU 1",
         }[args.layout]
         title = (
             f"Gateway overhead: N={args.n}/target/level (stream {args.stream_n}), "
