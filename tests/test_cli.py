@@ -84,7 +84,8 @@ def test_python_dash_m_envport_is_the_same_command() -> None:
     result = subprocess.run([*run, "--help"], capture_output=True, text=True, env=env, timeout=50)
     assert result.returncode == 0, result.stderr
     assert "Usage: envport " in result.stdout
-    assert " eval" in result.stdout and " gateway" in result.stdout
+    assert " eval" in result.stdout
+    assert " gateway" in result.stdout
     wrong = subprocess.run([*run, "no-such-command"], capture_output=True, text=True, env=env)
     assert wrong.returncode == 2
     assert "No such command" in wrong.stderr

@@ -22,7 +22,7 @@ from envport.errors import (
     ActionValidationError,
     ConnectionLostError,
     EnvNotResetError,
-    RemoteError,
+    NoReplyError,
     ToolError,
 )
 from envport.server import ServerConfig
@@ -137,7 +137,7 @@ async def test_late_reply_is_never_taken_for_the_next() -> None:
     with run_env_server(FaultyEnv, ServerConfig(call_timeout_s=10), mcp=False) as (url, _):
         async with EnvClient.connect(url, timeout_s=0.3) as env:
             await env.reset()
-            with pytest.raises(RemoteError) as timeout:
+            with pytest.raises(NoReplyError) as timeout:  # this side's limit, not the server's
                 await env.step({"message": "sleep:1.0"})
             assert timeout.value.code == "TIMEOUT"
             env.transport.timeout_s = 5  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from envport.client import EnvClient
+from envport.errors import EnvportError
 from envport.rollout import (
     Controller,
     ControllerConfig,
@@ -24,10 +25,13 @@ from envport.rollout import (
     heartbeat,
 )
 from envport.rollout.backends import EnvInstance, EnvLaunch, Limits
+from envport.server import ServerConfig
 from envport.tasks import Resources, Task
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, StepRecord, Trace, TraceStatus
 from envport.trace.store import AttemptRecord, RolloutRecord
 from envport.train.rows import build_rows
+from tests.support.faulty_envs import FaultyEnv
+from tests.support.servers import run_env_server
 
 FAULTY = "tests.support.faulty_envs:FaultyEnv"
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,6 +304,7 @@ async def test_a_sandbox_failure_across_the_wire_is_classified_and_retried(
     first, second = db(store).attempts(rollout_id="r/sandbox-once/0")
     assert (first.state, first.error_kind, second.state) == ("failed", "sandbox", "succeeded")
     assert "shell died" in (first.error_message or "")
+    assert first.instance_id != second.instance_id  # retried on a fresh instance
 
 
 @pytest.mark.parametrize("backend_name", ["inprocess", "local"])
@@ -331,6 +336,25 @@ async def test_an_environment_no_server_can_build_fails_once_as_the_environment_
         assert "\n" not in error.message
 
 
+async def test_a_call_the_server_cut_at_its_deadline_is_a_hang_and_retried(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    """A server's own call deadline (``--call-timeout``, 30 s by default, shorter than
+    the hang watchdog's 60) ends a hung step with TIMEOUT: that is the environment
+    hanging (infrastructure, retried), not its answer (``environment``, never retried),
+    and the trace says what timed out, not "agent exceeded its deadline"."""
+    marker = tmp_path / "hang-once"
+    config = ControllerConfig(max_attempts=2, **{**FAST, "hang_timeout_s": 5.0})
+    with run_env_server(FaultyEnv, ServerConfig(call_timeout_s=0.5), mcp=False) as (url, _):
+        backend = InProcessBackend(urls={FAULTY: url})
+        ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
+        summary = await ctl.run([RolloutSpec(task("t", [f"hang_once:{marker}", "after"]))])
+    assert (summary.succeeded, summary.retried) == (1, 1)
+    first, second = db(store).attempts(rollout_id="r/t/0")
+    assert (first.error_kind, second.state) == ("infrastructure", "succeeded")
+    assert "did not finish within 0.5 s" in (first.error_message or "")
+
+
 def test_classify_tells_sandbox_failures_from_bad_requests() -> None:
     from envport.errors import from_wire
     from envport.rollout.controller import classify
@@ -347,7 +371,12 @@ def test_classify_tells_sandbox_failures_from_bad_requests() -> None:
 
 
 def test_a_dead_environment_while_scoring_is_infrastructure_and_retried() -> None:
-    from envport.errors import ConnectionLostError, EnvExecutionError
+    from envport.errors import (
+        ConnectionLostError,
+        EnvExecutionError,
+        EnvTimeoutError,
+        NoReplyError,
+    )
     from envport.rollout.backends import BackendError
     from envport.rollout.controller import classify
     from envport.trace import ErrorKind
@@ -355,6 +384,8 @@ def test_a_dead_environment_while_scoring_is_infrastructure_and_retried() -> Non
     lost = ConnectionLostError("the environment's connection dropped")
     assert classify(lost, "scoring") is ErrorKind.INFRASTRUCTURE
     assert classify(BackendError("instance gone"), "scoring") is ErrorKind.INFRASTRUCTURE
+    assert classify(NoReplyError("No reply within 60 s"), "agent") is ErrorKind.INFRASTRUCTURE
+    assert classify(EnvTimeoutError("step ran past 60 s"), "agent") is ErrorKind.INFRASTRUCTURE
     assert ErrorKind.INFRASTRUCTURE in ControllerConfig().retry_on
     # what the rubric itself raises stays the rubric's
     assert classify(EnvExecutionError("test command failed"), "scoring") is ErrorKind.RUBRIC
@@ -560,6 +591,71 @@ async def test_env_type_limits_and_task_resources_reach_the_backend(
         Limits(pids=64, memory_mb=256),
         Limits(pids=64, memory_mb=1024, cpus=2, disk_mb=100),
     ]
+
+
+async def test_a_task_s_env_start_deadline_is_its_instance_s_start_deadline(
+    store: AsyncTraceStore,
+) -> None:
+    """A task that declares a longer ``env_start`` gets it for the instance's start too,
+    not only for its lease (the backend timed the start out at the config's default)."""
+    backend = RecordingBackend()
+    config = ControllerConfig(env_start_timeout_s=5, **FAST)
+    slow = task("slow", ["hi"], resources=Resources(timeouts={"env_start": 90}))
+    summary = await Controller(store, backend, ScriptHarness(), config, run_id="r").run(
+        [RolloutSpec(task("plain", ["hi"])), RolloutSpec(slow)]
+    )
+    assert summary.succeeded == 2
+    assert sorted(launch.start_timeout_s for launch in backend.launches) == [5, 90]
+
+
+async def test_env_start_is_one_deadline_for_the_lease_and_the_session_s_opening(
+    store: AsyncTraceStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.6 s to start and 0.6 s to open is past a 1 s ``env_start``: each part had the
+    whole second to itself before."""
+    from envport.client import transports
+
+    class SlowStart(InProcessBackend):
+        async def start(self, launch: EnvLaunch) -> EnvInstance:
+            await asyncio.sleep(0.6)
+            return await super().start(launch)
+
+    opened = transports.InProcessTransport.open
+
+    async def slow_open(self: transports.InProcessTransport) -> None:
+        await asyncio.sleep(0.6)
+        await opened(self)
+
+    monkeypatch.setattr(transports.InProcessTransport, "open", slow_open)
+    config = ControllerConfig(max_attempts=1, **FAST)
+    late = task("late", ["hi"], resources=Resources(timeouts={"env_start": 1.0}))
+    summary = await Controller(store, SlowStart(), ScriptHarness(), config, run_id="r").run(
+        [RolloutSpec(late)]
+    )
+    assert summary.failed == 1
+    (trace,) = await store.query(run_id="r")
+    assert trace.errors[0].where == "env_start"
+    assert trace.stop_reason == "timeout"
+
+
+async def test_two_different_tasks_with_one_id_are_refused_before_either_runs(
+    store: AsyncTraceStore,
+) -> None:
+    """Rollout ids are ``run/task/k``: the second task ``q`` was answered with the
+    first's result and never ran, and nothing said so."""
+    harness = ScriptHarness()
+    first, other = task("q", ["one"]), task("q", ["two"])
+    config = ControllerConfig(**FAST)
+    async with Controller(store, InProcessBackend(), harness, config, run_id="r") as ctl:
+        with pytest.raises(EnvportError, match="two different tasks share the id 'q'"):
+            ctl.submit([RolloutSpec(first), RolloutSpec(other)])
+        assert await store.query(run_id="r") == []  # nothing started
+        (done,) = await ctl.collect([RolloutSpec(first)])
+        again = await ctl.collect([RolloutSpec(first), RolloutSpec(first, 1)])  # same task: fine
+        with pytest.raises(EnvportError, match="share the id"):
+            ctl.submit([RolloutSpec(other)])  # against one already submitted
+    assert done.succeeded
+    assert again[0].trace.trace_id == done.trace.trace_id
 
 
 async def test_a_controller_entered_again_asks_the_store_not_its_old_tasks(

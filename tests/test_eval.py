@@ -289,6 +289,28 @@ def test_unscored_runs_count_in_neither_the_mean_nor_pass_at_k() -> None:
     assert (nothing.mean_reward, nothing.pass_at_k) == (None, {})
 
 
+def test_pass_at_k_counts_the_agent_s_own_failures_as_tries_that_did_not_pass() -> None:
+    """Task a: 1 solved, 3 agent timeouts; task b: 4 infrastructure failures. pass@1 is
+    1/4 for a (not 1.0 from its one completed run) and b is no try of the agent's."""
+    from envport.evaluate import summarise
+    from envport.trace import ErrorKind, Trace, TraceError
+
+    def failed(task_id: str, kind: ErrorKind) -> Trace:
+        error = TraceError(kind=kind, message="agent exceeded its deadline", where="agent")
+        return Trace(task_id=task_id, status=TraceStatus.FAILED, errors=[error])
+
+    traces = [
+        Trace(task_id="a", status=TraceStatus.COMPLETED, reward=1.0),
+        *(failed("a", ErrorKind.HARNESS) for _ in range(3)),
+        *(failed("b", ErrorKind.INFRASTRUCTURE) for _ in range(4)),
+    ]
+    summary = summarise("r", traces, tasks=2)
+    assert summary.mean_reward == 1.0  # over scored rollouts only
+    assert summary.pass_at_k[1] == pytest.approx(0.25)
+    assert summary.pass_at_k[4] == 1.0
+    assert set(summary.pass_at_k) == {1, 4}
+
+
 def test_the_progress_line_shows_the_summary_s_mean_reward() -> None:
     from envport.evaluate import summarise
     from envport.report import EvalProgress

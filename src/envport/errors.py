@@ -231,6 +231,14 @@ class RemoteError(EnvportError):
         self.remote_code = code
 
 
+class NoReplyError(RemoteError):
+    """The other end sent no reply within the call's limit: it hung (or the link did).
+    Code ``TIMEOUT``, like a deadline the server enforced, but raised by this side."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorCode.TIMEOUT.value)
+
+
 class ConnectionLostError(RemoteError, ConnectionError):
     def __init__(self, message: str) -> None:
         super().__init__(message, ErrorCode.SESSION_ERROR.value)

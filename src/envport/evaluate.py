@@ -231,6 +231,21 @@ def _invalid_traces(
     return traces
 
 
+def _agent_failed(trace: Trace) -> bool:
+    """A rollout the agent itself failed (its deadline, a crash of the agent loop): a try
+    that did not solve the task, so pass@k counts it (a failure of the infrastructure,
+    the model provider or the environment is no try of the agent's, and is left out)."""
+    return (
+        trace.status is TraceStatus.FAILED
+        and bool(trace.errors)
+        and trace.errors[0].kind is ErrorKind.HARNESS
+    )
+
+
+def _passed(trace: Trace, threshold: float) -> bool:
+    return trace.status is TraceStatus.COMPLETED and (trace.reward or 0) >= threshold
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k estimator (Chen et al., 2021)."""
     if n - c < k:
@@ -250,14 +265,14 @@ def summarise(
     completed = [t for t in traces if t.status is TraceStatus.COMPLETED]
     rewards = [t.reward for t in completed if t.reward is not None]
     by_task: dict[str, list[Trace]] = {}
-    for t in completed:
-        if t.reward is not None:  # unscored (no rubric): in neither the mean nor pass@k
+    for t in traces:
+        if (t.reward is not None and t.status is TraceStatus.COMPLETED) or _agent_failed(t):
             by_task.setdefault(t.task_id or "", []).append(t)
     ks = sorted({1, *(len(v) for v in by_task.values())})
     pass_k: dict[int, float] = {}
     for k in ks:
         scores = [
-            pass_at_k(len(v), sum(1 for t in v if (t.reward or 0) >= threshold), k)
+            pass_at_k(len(v), sum(1 for t in v if _passed(t, threshold)), k)
             for v in by_task.values()
             if len(v) >= k
         ]

@@ -28,6 +28,7 @@ from envport.errors import (
     ConnectionLostError,
     EnvportError,
     ErrorCode,
+    NoReplyError,
     RemoteError,
     from_wire,
 )
@@ -213,7 +214,7 @@ class WebSocketTransport:
             try:
                 return await self._exchange_resuming(frame, limit)
             except TimeoutError:
-                raise RemoteError(f"No reply within {limit:g} s", ErrorCode.TIMEOUT.value) from None
+                raise NoReplyError(f"No reply within {limit:g} s") from None
 
     async def _exchange_resuming(self, frame: dict[str, Any], limit: float) -> dict[str, Any]:
         drops = 0

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envport.client import EnvClient
 from envport.deadlines import GRACE_S, frame_timeout
-from envport.errors import ConnectionLostError, EnvportError
+from envport.errors import ConnectionLostError, EnvportError, EnvTimeoutError, NoReplyError
 from envport.harness.model import ModelProviderError
 from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
@@ -156,12 +156,18 @@ def rollout_id(run_id: str, task: Task, index: int, group_id: str | None = None)
     return f"{run_id}/{task_part}/{index}@{group_id}"
 
 
+#: An environment call that hung: past the server's deadline for it, or no reply at all.
+_HUNG = (EnvTimeoutError, NoReplyError)
+
+
 def classify(exc: BaseException, stage: str) -> ErrorKind:
     """Where a failure belongs, from what was raised and the stage it was raised in."""
     if isinstance(exc, ModelProviderError):
         return ErrorKind.MODEL_PROVIDER
-    if isinstance(exc, ConnectionLostError | BackendError | PoolClosedError):
-        return ErrorKind.INFRASTRUCTURE  # in any stage: scoring on a dead env is retried
+    if isinstance(exc, (ConnectionLostError, BackendError, PoolClosedError, *_HUNG)):
+        # In any stage: scoring on a dead env is retried; an env call that ran past its
+        # deadline, or got no reply at all, hung (the hang watchdog may name it first).
+        return ErrorKind.INFRASTRUCTURE
     if stage == "scoring":
         return ErrorKind.RUBRIC
     if stage == "env_start" and isinstance(exc, TimeoutError):
@@ -454,6 +460,7 @@ class Controller:
         self._env_gates: dict[str, asyncio.Semaphore] = {}
         self._pools: dict[str, EnvPool] = {}
         self._tasks: dict[str, asyncio.Task[RolloutResult]] = {}
+        self._specs: dict[str, RolloutSpec] = {}  # the spec each rollout id was first given
         self._services: list[asyncio.Task[None]] = []
         self._flights: dict[str, _Flight] = {}
         self._tg: asyncio.TaskGroup | None = None
@@ -580,19 +587,25 @@ class Controller:
         return limits.model_copy(update={k: v for k, v in own.items() if v is not None})
 
     def _pool(self, env_id: str, task: Task | None = None) -> EnvPool:
-        """The pool for instances of ``env_id`` with ``task``'s limits (one per shape)."""
-        return self._pool_with(env_id, self._limits(env_id, task))
+        """The pool for instances of ``env_id`` with ``task``'s limits and ``env_start``
+        deadline (one pool per shape and deadline)."""
+        start_s = task.resources.timeouts.env_start if task is not None else None
+        return self._pool_with(env_id, self._limits(env_id, task), start_s)
 
-    def _pool_with(self, env_id: str, limits: Limits) -> EnvPool:
-        """The pool for instances of ``env_id`` started with ``limits``."""
+    def _pool_with(self, env_id: str, limits: Limits, start_s: float | None = None) -> EnvPool:
+        """The pool for instances of ``env_id`` started with ``limits``, each start given
+        ``start_s`` (default: the config's ``env_start_timeout_s``)."""
+        cfg = self.config
+        start_s = start_s or cfg.env_start_timeout_s
         key = (
             env_id
-            if limits == self.config.env_limits.get(env_id, Limits())
+            if limits == cfg.env_limits.get(env_id, Limits())
             else (f"{env_id}#{limits.model_dump_json(exclude_none=True)}")
         )
+        if start_s != cfg.env_start_timeout_s:
+            key += f"@start={start_s:g}s"
         pool = self._pools.get(key)
         if pool is None:
-            cfg = self.config
             limit = cfg.env_concurrency.get(env_id, cfg.concurrency)
             launch = EnvLaunch(
                 env_id=env_id,
@@ -600,7 +613,7 @@ class Controller:
                 sessions=cfg.sessions_per_instance,
                 limits=limits,
                 labels={RUN_LABEL: self.run_id, LIMITS_LABEL: limits_label(limits)},
-                start_timeout_s=cfg.env_start_timeout_s,
+                start_timeout_s=start_s,
             )
             pool = EnvPool(
                 self.backend,
@@ -625,13 +638,23 @@ class Controller:
 
         A rollout id already submitted to this controller returns its existing task. The
         id includes the spec's group (:func:`rollout_id`): the same task and index in
-        another group is another rollout.
+        another group is another rollout. Two different tasks with one id are refused
+        (:class:`~envport.errors.EnvportError`) before any rollout of the call starts.
         """
         if self._tg is None:
             raise RuntimeError("submit() needs a running controller: `async with Controller(…)`")
+        batch = [(rollout_id(self.run_id, s.task, s.index, s.group_id), s) for s in specs]
+        given: dict[str, RolloutSpec] = {}
+        for rid, spec in batch:  # all checked before any starts
+            first = self._specs.get(rid) or given.setdefault(rid, spec)
+            if first.task != spec.task:
+                raise EnvportError(
+                    f"two different tasks share the id {spec.task.id!r}: rollout {rid} "
+                    "would be one of them only; give each task its own id"
+                )
+        self._specs.update(given)
         out: list[asyncio.Task[RolloutResult]] = []
-        for spec in specs:
-            rid = rollout_id(self.run_id, spec.task, spec.index, spec.group_id)
+        for rid, spec in batch:
             task = self._tasks.get(rid)
             if task is None:
                 task = self._tg.create_task(self._rollout(spec, rid), name=f"rollout {rid}")
@@ -977,11 +1000,14 @@ class Controller:
                 raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
             if harness is None:
                 raise EnvportError("no harness: give the controller or the RolloutSpec one")
+            # One env_start deadline for the lease (an instance started, or a slot freed)
+            # and the session's opening together.
+            start_by = asyncio.get_running_loop().time() + start_s
             async with self._pool(task.env_id, task).lease(timeout_s=start_s) as lease:
                 try:
-                    await self._on_instance(f, lease, harness, call_s, start_s, agent_s, scoring_s)
+                    await self._on_instance(f, lease, harness, call_s, start_by, agent_s, scoring_s)
                 except _StageFailed as failed:
-                    if failed.kind is ErrorKind.INFRASTRUCTURE:
+                    if failed.kind in cfg.retry_on:  # retried on a fresh instance
                         await self._recycle(lease, failed.error)
                     raise
         except _StageFailed as failed:
@@ -1002,10 +1028,12 @@ class Controller:
         return None
 
     async def _recycle(self, lease: Lease, error: Exception) -> None:
-        """After an infrastructure failure: a session that hung on a healthy instance that
-        hosts several is dropped alone; otherwise the instance is retired."""
+        """After a failure that is retried (``retry_on``): a session that hung on a
+        healthy instance that hosts several is dropped alone; otherwise the instance is
+        retired, so the retry runs on a fresh one."""
         shared = lease.instance.url is not None and self.config.sessions_per_instance > 1
-        if isinstance(error, _Hang) and shared and await self.backend.healthy(lease.instance):
+        hung = isinstance(error, (_Hang, *_HUNG))
+        if hung and shared and await self.backend.healthy(lease.instance):
             lease.lose_session()
         else:
             lease.retire(f"{type(error).__name__}: {error}")
@@ -1015,7 +1043,8 @@ class Controller:
         if isinstance(exc, _Hang):
             trace.stop_reason = "hang"
             trace.errors.append(TraceError(kind=kind, message=str(exc), where=stage))
-        elif isinstance(exc, TimeoutError):
+        elif isinstance(exc, TimeoutError) and not isinstance(exc, EnvportError):
+            # The stage's own deadline (an environment's timeout says what timed out).
             trace.stop_reason = "timeout"
             message = f"{stage} exceeded its deadline"
             trace.errors.append(TraceError(kind=kind, message=message, where=stage))
@@ -1028,7 +1057,7 @@ class Controller:
         lease: Lease,
         harness: Harness,
         call_s: float,
-        start_s: float,
+        start_by: float,
         agent_s: float,
         scoring_s: float,
     ) -> None:
@@ -1048,7 +1077,7 @@ class Controller:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a
                 # cancellation that lands as the open completes, and a cancelled
                 # rollout would go on to run its harness.
-                async with asyncio.timeout(start_s):
+                async with asyncio.timeout_at(start_by):
                     await client.transport.open()
             except Exception as exc:
                 raise _StageFailed("env_start", exc) from exc
