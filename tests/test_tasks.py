@@ -159,6 +159,7 @@ def test_jsonl_bad_json_names_file_and_line(tmp_path: Path) -> None:
         ({"prompt": [{"content": "hi"}]}, "prompt[0].role", "Field required"),
         ({"prompt": "p", "promt": "typo"}, "promt", "Extra inputs are not permitted"),
         ({"prompt": "p", "seed": "abc"}, "seed", "valid integer"),
+        ({"prompt": "p", "seed": True}, "seed", "must be an integer, not a boolean (true)"),
     ],
 )
 def test_jsonl_invalid_task_names_line_and_field(

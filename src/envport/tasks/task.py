@@ -177,6 +177,14 @@ class Task(_Frozen):
             raise ValueError("prompt is empty")
         return value
 
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_bool_seed(cls, value: Any) -> Any:
+        # pydantic's lax int takes true as 1; a boolean seed is a mistake, not a seed.
+        if isinstance(value, bool):
+            raise ValueError(f"must be an integer, not a boolean ({str(value).lower()})")
+        return value
+
     @field_validator("rubric", mode="before")
     @classmethod
     def _one_rubric(cls, value: Any) -> Any:
