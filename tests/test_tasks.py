@@ -150,6 +150,25 @@ def test_jsonl_bad_json_names_file_and_line(tmp_path: Path) -> None:
     assert isinstance(err, EnvportError)
 
 
+def test_jsonl_reads_a_bom_and_fails_only_the_line_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(
+        b'\xef\xbb\xbf{"id": "a", "prompt": "caf\xc3\xa9"}\r\n'  # BOM, then UTF-8
+        b'{"id": "b", "prompt": "caf\xe9"}\n'  # Latin-1
+        b'{"id": "c", "prompt": "ok"}\n'
+    )
+    invalid: list[TaskFileError] = []
+    tasks = list(load_jsonl(path, invalid=invalid))
+    assert [(t.id, t.prompt) for t in tasks] == [("a", "caf\u00e9"), ("c", "ok")]
+    assert [(e.path, e.line, e.field) for e in invalid] == [(str(path), 2, None)]
+    assert str(invalid[0]) == (
+        f"{path}:2: not UTF-8 text: byte 0xe9 at column 27 (task files are UTF-8; save it as UTF-8)"
+    )
+    with pytest.raises(TaskFileError, match="not UTF-8 text") as info:
+        list(load_jsonl(path))
+    assert info.value.line == 2
+
+
 @pytest.mark.parametrize(
     ("row", "field", "message"),
     [
@@ -566,6 +585,29 @@ def test_harbor_bad_task_toml_names_line_and_field(
     err = info.value
     assert (err.path, err.line, err.field) == (str(task_dir / "task.toml"), line, field)
     assert message in str(err)
+
+
+def test_harbor_reads_a_bom_and_names_the_file_that_is_not_utf8(tmp_path: Path) -> None:
+    task_dir = _harbor_task(tmp_path, "bom")
+    (task_dir / "instruction.md").write_bytes(b"\xef\xbb\xbfDo it.\r\n")
+    (task_dir / "task.toml").write_bytes(b"\xef\xbb\xbf" + TASK_TOML.encode())
+    task = next(iter(load_harbor(task_dir)))
+    assert task.prompt == "Do it.\n"
+    assert task.resources.memory_mb == 2048
+
+    (task_dir / "task.toml").write_bytes(b'version = "1.0"\n# caf\xe9\n')
+    with pytest.raises(TaskFileError) as info:
+        list(load_harbor(task_dir))
+    assert (info.value.path, info.value.line) == (str(task_dir / "task.toml"), 2)
+    assert "not UTF-8 text: byte 0xe9 at column 6" in str(info.value)
+
+    (task_dir / "task.toml").write_text(TASK_TOML)
+    (task_dir / "instruction.md").write_bytes(b"# Task\n\nCaf\xe9\n")
+    with pytest.raises(TaskFileError) as info:
+        list(load_harbor(task_dir))
+    err = info.value
+    assert (err.path, err.line, err.field) == (str(task_dir / "instruction.md"), 3, "prompt")
+    assert "not UTF-8 text: byte 0xe9 at column 4" in str(err)
 
 
 def test_harbor_requires_the_verifier(tmp_path: Path) -> None:

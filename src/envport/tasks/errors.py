@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,6 +40,40 @@ class TaskFileError(TasksetError, ValueError):
         self.line = line
         self.field = field
         self.reason = message
+
+
+#: A byte that was not UTF-8, as ``errors="surrogateescape"`` decodes it.
+_ESCAPED_BYTE = re.compile(r"[\udc80-\udcff]")
+
+
+def read_text(path: Path) -> str:
+    """A text file as UTF-8 (a leading BOM dropped, newlines made ``\\n``), with any byte
+    that is not UTF-8 kept as a lone surrogate for :func:`check_utf8` to report."""
+    return path.read_text(encoding="utf-8-sig", errors="surrogateescape")
+
+
+def check_utf8(
+    path: str | Path, text: str, *, line: int | None = None, field: str | None = None
+) -> None:
+    """Raise :class:`TaskFileError` at the first byte of ``text`` that was not UTF-8.
+
+    ``text`` was decoded with ``errors="surrogateescape"`` (see :func:`read_text`). It is
+    one line (number ``line``) or, when ``line`` is None, a whole file.
+    """
+    bad = _ESCAPED_BYTE.search(text)
+    if bad is None:
+        return
+    start = text.rfind("\n", 0, bad.start()) + 1
+    if line is None:
+        line = text.count("\n", 0, start) + 1
+    byte = ord(bad.group()) - 0xDC00
+    raise TaskFileError(
+        path,
+        line,
+        field,
+        f"not UTF-8 text: byte 0x{byte:02x} at column {bad.start() - start + 1} "
+        "(task files are UTF-8; save it as UTF-8)",
+    )
 
 
 class UnknownTasksetError(TasksetError, LookupError):

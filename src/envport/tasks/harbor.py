@@ -44,7 +44,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from envport.tasks.errors import TaskFileError
+from envport.tasks.errors import TaskFileError, check_utf8, read_text
 from envport.tasks.task import RubricSpec, Task, TaskFile
 
 #: Where Harbor's verifier expects the reward, and where it mounts ``tests/``.
@@ -159,9 +159,7 @@ def read_harbor_task(task_dir: str | Path) -> Task:
     if not isinstance(env_id, str) or not env_id:
         raise TaskFileError(
             task_dir / "task.toml",
-            _key_line(
-                (task_dir / "task.toml").read_text(encoding="utf-8"), "metadata", "envport_env"
-            ),
+            _key_line(read_text(task_dir / "task.toml"), "metadata", "envport_env"),
             "metadata.envport_env",
             f"must be a registered environment id, got {env_id!r}",
         )
@@ -209,7 +207,7 @@ def read_harbor_task(task_dir: str | Path) -> Task:
             raise TaskFileError(task_dir / "instruction.md", None, "prompt", msg) from exc
         toml_path = task_dir / "task.toml"
         section, key = _TOML_KEY.get(loc, ("", loc[0]))
-        text = toml_path.read_text(encoding="utf-8")
+        text = read_text(toml_path)
         field = f"{section}.{key}" if section else key
         raise TaskFileError(toml_path, _key_line(text, section, key), field, msg) from exc
 
@@ -228,9 +226,10 @@ _TOML_KEY: dict[tuple[str, ...], tuple[str, str]] = {
 
 def _read_config(toml_path: Path) -> _Config:
     try:
-        text = toml_path.read_text(encoding="utf-8")
+        text = read_text(toml_path)
     except OSError as exc:
         raise TaskFileError(toml_path, None, None, f"cannot read: {exc.strerror}") from exc
+    check_utf8(toml_path, text)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -250,11 +249,14 @@ def _read_config(toml_path: Path) -> _Config:
 
 def _read_instruction(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     except FileNotFoundError as exc:
         raise TaskFileError(
             path, None, "prompt", "missing: a Harbor task's prompt is instruction.md"
         ) from exc
+    except OSError as exc:
+        raise TaskFileError(path, None, "prompt", f"cannot read: {exc.strerror}") from exc
+    check_utf8(path, text, field="prompt")
     if not text.strip():
         raise TaskFileError(path, None, "prompt", "instruction.md is empty")
     return text

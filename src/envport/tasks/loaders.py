@@ -38,7 +38,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from envport.tasks.errors import MissingDependencyError, TaskFileError, UnknownTasksetError
+from envport.tasks.errors import (
+    MissingDependencyError,
+    TaskFileError,
+    UnknownTasksetError,
+    check_utf8,
+)
 from envport.tasks.harbor import harbor_task_dirs, is_harbor_task, read_harbor_task
 from envport.tasks.task import Task
 from envport.tasks.taskset import Taskset
@@ -175,11 +180,14 @@ def _read_jsonl(
 ) -> Iterator[Task]:
     root = str(path.parent.resolve())
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as fh:
+    # utf-8-sig drops a leading BOM; surrogateescape turns bytes that are not UTF-8 into
+    # lone surrogates, so a bad byte fails its own line (below), not the whole file.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as fh:
         for number, text in enumerate(fh, start=1):
             if not text.strip():
                 continue
             try:
+                check_utf8(path, text, line=number)
                 task = _jsonl_task(path, number, text, columns, defaults, root, seen)
             except TaskFileError as exc:
                 if invalid is None:
