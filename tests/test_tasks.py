@@ -574,6 +574,13 @@ def test_harbor_dir_of_tasks_is_lazy_and_sorted(tmp_path: Path) -> None:
         ),
         (TASK_TOML.replace("[agent]", "[agent"), 13, None, "invalid TOML"),
         ('[environment]\nmemory = "lots"\n', 2, "environment.memory", "not a size"),
+        (
+            '[environment]\nstorage = "2048"\n',
+            2,
+            "environment.storage",
+            "storage: not a size like '2G' or '512M' (a number and a unit: K, M, G or T), "
+            "got '2048'",
+        ),
     ],
 )
 def test_harbor_bad_task_toml_names_line_and_field(
@@ -608,6 +615,20 @@ def test_harbor_reads_a_bom_and_names_the_file_that_is_not_utf8(tmp_path: Path) 
     err = info.value
     assert (err.path, err.line, err.field) == (str(task_dir / "instruction.md"), 3, "prompt")
     assert "not UTF-8 text: byte 0xe9 at column 4" in str(err)
+
+
+def test_harbor_sizes_read_as_harbor_reads_them() -> None:
+    from envport.tasks.harbor import size_mb
+
+    # Harbor's own forms give Harbor's numbers (fractions truncated, as it does) ...
+    assert [size_mb(t) for t in ("2G", "2g", "512M", "1.5G", "1.0001G", "1024K")] == [
+        2048, 2048, 512, 1536, 1024, 1,
+    ]  # fmt: skip
+    assert size_mb("2GiB") == size_mb("2GB") == 2048  # envport's tolerance
+    # ... and a bare number, which Harbor rejects, is an error rather than bytes.
+    for text in ("2048", "2048.0", "", "G"):
+        with pytest.raises(ValueError, match="not a size like '2G'"):
+            size_mb(text)
 
 
 def test_harbor_requires_the_verifier(tmp_path: Path) -> None:

@@ -102,16 +102,24 @@ class _Config(_Section):
     environment: _Environment = _Environment()
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
-_UNIT_MB = {"": 1 / 2**20, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT])(?:i?B)?\s*$", re.IGNORECASE)
+_UNIT_MB = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
 
 
 def size_mb(text: str) -> int:
-    """``"2G"`` → 2048, ``"512M"`` → 512, ``"1.5GiB"`` → 1536 (a bare number is bytes)."""
+    """The older ``memory``/``storage`` form in MB: ``"2G"`` → 2048, ``"512M"`` → 512.
+
+    As Harbor reads it: a number and a binary unit (K, M or G; any case), fractions
+    truncated (``"1.5G"`` → 1536), and a bare number is an error (bytes? MB?). envport
+    also takes ``T`` and a trailing ``B``/``iB`` (``"2GB"``, ``"1.5GiB"``), which Harbor
+    rejects, and gives at least 1 MB.
+    """
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"not a size like '2G' or '512M': {text!r}")
-    return max(1, round(float(match.group(1)) * _UNIT_MB[match.group(2).upper()]))
+        raise ValueError(
+            f"not a size like '2G' or '512M' (a number and a unit: K, M, G or T), got {text!r}"
+        )
+    return max(1, int(float(match.group(1)) * _UNIT_MB[match.group(2).upper()]))
 
 
 def is_harbor_task(path: Path) -> bool:
@@ -243,7 +251,10 @@ def _read_config(toml_path: Path) -> _Config:
         loc = [str(p) for p in err["loc"]]
         section, key = (".".join(loc[:-1]), loc[-1]) if len(loc) > 1 else ("", loc[0])
         line = _key_line(text, section, key)
-        msg = err["msg"] + (f", got {err['input']!r}" if "input" in err else "")
+        if err["type"] == "value_error":  # our own validator's message, which shows the value
+            msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        else:
+            msg = err["msg"] + (f", got {err['input']!r}" if "input" in err else "")
         raise TaskFileError(toml_path, line, ".".join(loc), msg) from exc
 
 
