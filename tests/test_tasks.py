@@ -421,6 +421,70 @@ def test_hf_splits_from_disk_and_from_a_data_dir(hf: Any, tmp_path: Path) -> Non
     assert streamed.count() == 2
 
 
+def test_hf_csv_cells_are_text_and_integer_ids_become_text(hf: Any, tmp_path: Path) -> None:
+    path = tmp_path / "qa.csv"
+    path.write_text(
+        "id,prompt,answer,seed,level\n"
+        "1,What is 2+2?,4,3,2\n"
+        "2,Spell 'not available',NA,,\n"
+        "3,What is 0.10 as text?,0.10,,\n"
+    )
+    tasks = list(load_hf(path, cache_dir=tmp_path / "cache"))
+    # Without text columns pandas read answer as floats (4.0: the column has a blank)
+    # and the ids as ints, which Task.id refused.
+    assert [(t.id, t.answer, t.seed) for t in tasks] == [
+        ("1", "4", 3),
+        ("2", "NA", None),
+        ("3", "0.10", None),
+    ]
+    assert tasks[0].metadata == {"level": "2"}
+    assert tasks[1].metadata == {}  # an empty cell is absent
+
+    bad_seed = tmp_path / "bad_seed.csv"
+    bad_seed.write_text("prompt,seed\nfine,1\nodd,true\n")
+    with pytest.raises(TaskFileError, match="row 1: Input should be a valid integer") as info:
+        list(load_hf(bad_seed, cache_dir=tmp_path / "cache"))
+    assert info.value.field == "seed"
+
+    twice = tmp_path / "twice.csv"
+    twice.write_text("id,prompt,prompt\n1,a,b\n")
+    with pytest.raises(TaskFileError, match=r"twice\.csv:1: column name\(s\) \['prompt'\] appear"):
+        load_hf(twice, cache_dir=tmp_path / "cache")
+
+
+def test_hf_parquet_integer_ids_become_text(hf: Any, tmp_path: Path) -> None:
+    ints = tmp_path / "ints.parquet"
+    hf.Dataset.from_dict({"id": [10, 11], "question": ["a?", "b?"]}).to_parquet(str(ints))
+    tasks = list(load_hf(ints, columns={"question": "prompt"}, cache_dir=tmp_path / "cache"))
+    assert [t.id for t in tasks] == ["10", "11"]
+    floats = tmp_path / "floats.parquet"
+    hf.Dataset.from_dict({"id": [1.0, None], "prompt": ["a", "b"]}).to_parquet(str(floats))
+    tasks = list(load_hf(floats, cache_dir=tmp_path / "cache"))
+    assert tasks[0].id == "1"
+    assert tasks[1].id.startswith("task-")  # null: the id is derived from the content
+    for name, ids in (("frac", [1.0, 1.5]), ("bools", [True, False])):
+        path = tmp_path / f"{name}.parquet"
+        hf.Dataset.from_dict({"id": ids, "prompt": ["a", "b"]}).to_parquet(str(path))
+        with pytest.raises(TaskFileError, match=r"row [01]: must be text or a whole number"):
+            list(load_hf(path, cache_dir=tmp_path / "cache"))
+
+
+def test_hf_rejects_duplicate_ids_naming_both_rows(hf: Any, tmp_path: Path) -> None:
+    path = tmp_path / "dup.parquet"
+    rows = {"id": ["a", "b", "a"], "prompt": ["first", "second", "third"]}
+    hf.Dataset.from_dict(rows).to_parquet(str(path))
+    taskset = load_hf(path, cache_dir=tmp_path / "cache")
+    assert [t.id for t in taskset.head(2)] == ["a", "b"]
+    with pytest.raises(TaskFileError) as info:
+        list(taskset)
+    assert (info.value.path, info.value.line, info.value.field) == (str(path), None, "id")
+    assert str(info.value) == f"{path}: id: row 2: duplicate id 'a' (first in row 0)"
+    csv_path = tmp_path / "dup.csv"
+    csv_path.write_text("id,prompt\n7,a\n7,b\n")
+    with pytest.raises(TaskFileError, match="row 1: duplicate id '7' \\(first in row 0\\)"):
+        list(load_hf(csv_path, cache_dir=tmp_path / "cache"))
+
+
 def test_hf_refuses_remote_names_and_explains_missing_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

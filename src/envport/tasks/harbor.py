@@ -30,7 +30,9 @@ so its rubric uploads nothing. Any other environment gets no options and a rubri
 uploads ``tests/`` to ``/tests`` before running them.
 
 ``task.toml`` is read tolerantly: unknown keys and sections are ignored, and both the
-current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are accepted.
+current ``memory_mb``/``storage_mb`` and the older ``memory = "2G"`` forms are accepted
+(a number and a unit, as Harbor reads it: see :func:`size_mb`). The files are UTF-8; a
+leading BOM is dropped.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ tasks that do not set them, e.g. ``{"env_id": "arithmetic-v1"}``).
 
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import re
@@ -257,7 +258,11 @@ def load_hf(
 
     There is no hub access: ``path`` must exist locally (download it beforehand). A
     dataset with several splits needs ``split``. Columns that are not Task fields (after
-    ``columns`` renames them) go to ``metadata``; null values count as absent.
+    ``columns`` renames them) go to ``metadata``; null values count as absent. An integer
+    id becomes text (``7`` → ``"7"``, and so does a whole float, ``7.0``); a boolean or
+    fractional id is an error, and so is an id that an earlier row used. A CSV file's
+    cells are read as text (``4`` stays ``"4"``, ``NA`` stays ``"NA"``), an empty cell as
+    absent; number fields such as ``seed`` are converted by validation.
     ``streaming=True`` reads rows without preparing an Arrow cache (length unknown).
     Needs the ``datasets`` extra: ``pip install 'envport[datasets]'``.
     """
@@ -287,15 +292,57 @@ def load_hf(
     label = f"{path}#{split}" if split else str(path)
 
     def rows() -> Iterator[Task]:
+        seen: dict[str, int] = {}
         for index, row in enumerate(dataset):
             data = _row_fields(row, columns=cols, defaults=defs, unknown="metadata", drop_none=True)
             data.setdefault("source", f"{label}[{index}]")
+            if "id" in data:
+                data["id"] = _row_id(data["id"], path, index)
             try:
-                yield Task.model_validate(data)
+                task = Task.model_validate(data)
             except ValidationError as exc:
                 raise _validation_to_file_error(exc, path, None, f"row {index}: ") from exc
+            if task.id in seen:
+                raise TaskFileError(
+                    path,
+                    None,
+                    "id",
+                    f"row {index}: duplicate id {task.id!r} (first in row {seen[task.id]})",
+                )
+            seen[task.id] = index
+            yield task
 
     return Taskset(rows, name=name or path.stem, length=length)
+
+
+def _row_id(value: Any, path: Path, index: int) -> Any:
+    """A dataset's id as text: ``7`` → ``"7"``, and ``7.0`` (an integer column that
+    pandas or a null turned into floats) → ``"7"``; a boolean or a fractional number is
+    an error, not an id."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise TaskFileError(
+            path, None, "id", f"row {index}: must be text or a whole number, got {value!r}"
+        )
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return str(int(value))
+    return value
+
+
+def _csv_as_text(datasets: Any, path: Path) -> dict[str, Any]:
+    """``load_dataset("csv")`` options that read every column as text, an empty cell as
+    null and nothing else as null (pandas would read ``4`` as ``4.0`` in a column with an
+    empty cell, and ``NA`` or ``None`` as null)."""
+    with path.open(encoding="utf-8-sig", newline="") as fh:
+        header = next(csv.reader(fh), None)
+    if not header:
+        return {}  # an empty file: let `datasets` report it
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:  # pandas would rename the second one; one feature per name would drop it
+        raise TaskFileError(path, 1, None, f"column name(s) {repeated} appear twice in the header")
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False, "na_values": [""]}
 
 
 def _open_dataset(
@@ -317,8 +364,9 @@ def _open_dataset(
                 f"unsupported file type {path.suffix!r}; "
                 f"expected one of {sorted({*_HF_FILE_BUILDERS, '.arrow'})}",
             )
+        options = _csv_as_text(datasets, path) if builder == "csv" else {}
         loaded = datasets.load_dataset(
-            builder, data_files=str(path), cache_dir=cache, streaming=streaming
+            builder, data_files=str(path), cache_dir=cache, streaming=streaming, **options
         )
     elif (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         loaded = datasets.load_from_disk(str(path))
