@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fractions
 import functools
 import math
 import re
@@ -236,7 +237,15 @@ async def test_a_failing_metric_is_recorded_but_keeps_the_total() -> None:
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(None, "returned NoneType"), ("1.0", "returned str"), (math.nan, "finite")],
+    [
+        (None, "returned NoneType"),
+        ("1.0", "returned str"),
+        (b"1", "returned bytes"),
+        (1 + 0j, "returned complex"),
+        (math.nan, "finite"),
+        (Score("0.5"), "returned a Score whose value is str"),  # type: ignore[arg-type]
+        (Score(1.0, metrics={"m": "2"}), "metric 'm'"),  # type: ignore[dict-item]
+    ],
 )
 async def test_bad_return_values_are_errors_not_zero(value: Any, message: str) -> None:
     def bad(completion: str) -> Any:
@@ -245,6 +254,54 @@ async def test_bad_return_values_are_errors_not_zero(value: Any, message: str) -
     result = await Rubric([bad]).score(ctx_for())
     assert result.total is None
     assert message in result.errors[0].message
+
+
+def returning(value: Any) -> Any:
+    def fn(completion: str | None) -> Any:
+        return value
+
+    return fn
+
+
+async def test_numpy_numbers_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    returns = {
+        "f32": np.float32(0.5),
+        "i64": np.int64(2),
+        "yes": np.bool_(True),
+        "no": np.bool_(False),
+        "zero_d": np.array(0.25),
+        "fraction": fractions.Fraction(1, 4),
+        "score": Score(np.float64(1.5), metrics={"n": np.int32(3), "ok": np.bool_(True)}),
+    }
+    funcs = [RewardFunc(returning(v), name=name) for name, v in returns.items()]
+    result = await Rubric(funcs).score(ctx_for())
+
+    assert result.errors == []
+    assert [(r.name, r.value) for r in result.rewards] == [
+        ("f32", 0.5),
+        ("i64", 2.0),
+        ("yes", 1.0),
+        ("no", 0.0),
+        ("zero_d", 0.25),
+        ("fraction", 0.25),
+        ("score", 1.5),
+    ]
+    assert all(type(r.value) is float for r in result.rewards)
+    assert result.metrics == {"score/n": 3.0, "score/ok": 1.0}
+    assert all(type(v) is float for v in result.metrics.values())
+    assert result.total == pytest.approx(0.5 + 2 + 1 + 0 + 0.25 + 0.25 + 1.5)
+    assert Trace.from_json(result.apply(make_trace()).to_json()).reward == result.total
+
+    # Not numbers: a complex numpy value, an array of several, a NaN float32.
+    for bad, message in [
+        (np.complex128(1), "returned complex128"),
+        (np.array([0.5, 0.5]), "returned ndarray"),
+        (np.float32("nan"), "finite"),
+    ]:
+        result = await Rubric([returning(bad)]).score(ctx_for())
+        assert result.total is None
+        assert message in result.errors[0].message
 
 
 async def test_a_function_past_its_timeout_is_an_error() -> None:

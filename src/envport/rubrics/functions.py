@@ -29,7 +29,10 @@ at its default: that is what ``functools.partial(fn, threshold=0.5)`` produces. 
 ``**kwargs`` parameter receives every name.
 
 A function returns a number (``bool`` counts as 1.0/0.0) or a :class:`Score` carrying a
-reason and extra metrics. ``None``, NaN, infinities and other types are errors, not 0.
+reason and extra metrics. A number is any real number: ``int``, ``float``, ``bool``, or a
+type that converts like one, such as numpy's ``float32``, ``int64`` and ``bool_``, a 0-d
+array, ``Fraction`` or ``Decimal`` (the same holds for metrics). ``None``, NaN,
+infinities, text, complex numbers and other types are errors, not 0.
 Async functions run on the event loop; sync ones in a worker thread
 (``asyncio.to_thread``), so a slow check does not stall other rollouts. A sync function
 that is given ``env`` cannot await it: write it ``async`` if it inspects the environment.
@@ -42,6 +45,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import numbers
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,25 +188,54 @@ async def call_reward_fn(
     return to_score(value, name)
 
 
+def real_number(value: Any) -> float | None:
+    """``value`` as a float if it is a real number, else ``None``.
+
+    Accepts ``int``, ``float``, ``bool`` and any other real number type — anything
+    registered as :class:`numbers.Real` (numpy's ``float32``, ``int64``, …) or that converts
+    with ``__float__`` or ``__index__`` (numpy's ``bool_``, a 0-d array, ``Decimal``). Text,
+    bytes and complex numbers are not numbers here, even where ``float()`` would take them.
+    The result may be NaN or infinite; callers decide about that.
+    """
+    if isinstance(value, str | bytes | bytearray):
+        return None
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        return None  # float() would drop the imaginary part, or refuse
+    if getattr(getattr(value, "dtype", None), "kind", None) == "c":
+        return None  # a complex numpy array
+    cls = type(value)
+    try:
+        if isinstance(value, numbers.Real) or hasattr(cls, "__float__"):
+            return float(value)
+        if hasattr(cls, "__index__"):
+            return float(operator.index(value))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None
+
+
 def to_score(value: Any, name: str) -> Score:
-    """A reward function's return value as a :class:`Score`; anything else is an error."""
-    if isinstance(value, Score):
-        score = value
-    elif isinstance(value, bool | int | float):
-        score = Score(float(value))
-    else:
+    """A reward function's return value as a :class:`Score`; anything else is an error.
+
+    Numbers of any real type (see :func:`real_number`) come back as ``float``.
+    """
+    score = value if isinstance(value, Score) else Score(value)
+    number = real_number(score.value)
+    if number is None:
+        what = "a Score whose value is " if isinstance(value, Score) else ""
         raise RubricError(
-            f"reward function {name!r} returned {type(value).__name__} ({value!r:.80}); "
-            "return a number, a bool, or a Score"
+            f"reward function {name!r} returned {what}{type(score.value).__name__} "
+            f"({score.value!r:.80}); return a number, a bool, or a Score"
         )
-    if not math.isfinite(score.value):
-        raise RubricError(f"reward function {name!r} returned {score.value}; rewards are finite")
+    if not math.isfinite(number):
+        raise RubricError(f"reward function {name!r} returned {number}; rewards are finite")
     metrics: dict[str, float] = {}
     for key, metric in score.metrics.items():
-        if not isinstance(metric, bool | int | float):
+        as_float = real_number(metric)
+        if as_float is None:
             raise RubricError(
-                f"reward function {name!r} returned metric {key!r} = {metric!r}; "
+                f"reward function {name!r} returned metric {key!r} = {metric!r:.80}; "
                 "metrics are numbers"
             )
-        metrics[key] = float(metric)
-    return Score(float(score.value), score.reason, metrics)
+        metrics[key] = as_float
+    return Score(number, score.reason, metrics)
