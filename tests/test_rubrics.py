@@ -884,7 +884,7 @@ def test_parse_verdict(reply: str, score: float) -> None:
     assert parse_verdict(reply) == pytest.approx(score)
 
 
-@pytest.mark.parametrize("reply", ["SCORE: 7", "2.5", "maybe", ""])
+@pytest.mark.parametrize("reply", ["SCORE: 7", "2.5", "maybe", "", "SCORE: 1/0", "score 0/0.0"])
 def test_parse_verdict_rejects_what_it_cannot_read(reply: str) -> None:
     with pytest.raises(JudgeError):
         parse_verdict(reply)

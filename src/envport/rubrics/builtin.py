@@ -411,6 +411,8 @@ def parse_verdict(reply: str) -> float:
     scores = _SCORE.findall(reply)
     if scores:
         raw, scale = scores[-1]
+        if scale and float(scale) == 0:
+            raise JudgeError(f"judge score {raw}/{scale} divides by zero: {reply!r:.300}")
         value = float(raw) / float(scale) if scale else float(raw)
         if not 0.0 <= value <= 1.0:
             raise JudgeError(f"judge score {value:g} is outside [0, 1]: {reply!r:.300}")
