@@ -40,6 +40,7 @@ from envport.rubrics import (
     registered_types,
     trace_advantages,
 )
+from envport.rubrics.builtin import last_number
 from envport.tasks import RubricSpec, Task, builtin_names, load
 from envport.tools import tool
 from envport.trace.model import ErrorKind, Reward, StepRecord, Trace
@@ -419,6 +420,8 @@ async def test_exact_match_without_a_reference_is_an_error() -> None:
         ({"rel_tol": 0.01}, "99.5", 100, 1.0),
         ({"rel_tol": 0.001}, "99.5", 100, 0.0),
         ({}, "\u22127", "-7", 1.0),
+        ({}, "The range is 10-20", 20, 1.0),
+        ({}, "x = -5", -5, 1.0),
         ({}, "no digits here", "7", 0.0),
         ({}, None, "7", 0.0),
     ],
@@ -428,6 +431,28 @@ async def test_numeric_match(
 ) -> None:
     total, _ = await score_one({"type": "numeric_match", **params}, ctx_for(reply, reference))
     assert total == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("The range is 10-20", 20.0),
+        ("COVID-19", 19.0),
+        ("3-5=-2", -2.0),
+        ("-5", -5.0),
+        ("x = -5", -5.0),
+        ("answer: -3.2", -3.2),
+        ("(-7)", -7.0),
+        ("\u22127", -7.0),
+        ("a rate of 1e-5", 1e-5),
+        ("-1,234 and +.5", 0.5),
+        ("no digits", None),
+    ],
+)
+def test_last_number_reads_a_hyphen_after_a_word_as_no_sign(
+    text: str, number: float | None
+) -> None:
+    assert last_number(text) == number
 
 
 async def test_numeric_match_with_a_non_numeric_reference_is_an_error() -> None:

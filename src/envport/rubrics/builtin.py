@@ -118,8 +118,12 @@ def from_specs(specs: Sequence[RubricSpec], *, timeout_s: float | None = None) -
 # --- text helpers ---------------------------------------------------------------------------
 
 _WS = re.compile(r"\s+")
+# A sign counts only where it is not joined to a word: the '-' in "10-20", "COVID-19" or
+# "GPT-4" is a hyphen, not a minus; in "-5", "x = -5" and "answer: -3.2" it is a sign.
+_SIGN = r"(?:(?<!\w)[-+\u2212])?"
 _NUMBER = re.compile(
-    r"[-+\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+\u2212]?\.\d+(?:[eE][-+]?\d+)?"
+    rf"{_SIGN}(?:\d{{1,3}}(?:,\d{{3}})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+    rf"|{_SIGN}\.\d+(?:[eE][-+]?\d+)?"
 )
 
 
@@ -145,7 +149,11 @@ def parse_number(value: Any) -> float | None:
 
 
 def last_number(text: str | None) -> float | None:
-    """The last number written in ``text`` (``None`` if there is none)."""
+    """The last number written in ``text`` (``None`` if there is none).
+
+    A ``-`` or ``+`` joined to a word before it is a hyphen, not a sign: the last number of
+    ``"range is 10-20"`` is 20, of ``"x = -5"`` it is -5.
+    """
     found = _NUMBER.findall(text or "")
     return float(found[-1].replace(",", "").replace("\u2212", "-")) if found else None
 
