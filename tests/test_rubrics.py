@@ -315,6 +315,51 @@ async def test_a_function_past_its_timeout_is_an_error() -> None:
     assert "did not finish within 0.05 s" in result.errors[0].message
 
 
+async def test_system_exit_and_a_stray_cancellation_are_component_failures() -> None:
+    def exits(completion: str) -> float:
+        raise SystemExit(3)
+
+    async def exits_async(completion: str) -> float:
+        raise SystemExit("bye")
+
+    async def awaits_a_cancelled_task(completion: str) -> float:
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        inner.cancel()
+        await inner
+        return 1.0
+
+    def fine(completion: str) -> float:
+        return 1.0
+
+    funcs = [fine, exits, exits_async, RewardFunc(awaits_a_cancelled_task, 0.0)]
+    result = await Rubric(funcs).score(ctx_for())
+
+    assert result.total is None
+    assert [r.name for r in result.rewards] == ["fine"]
+    errors = {e.where: e for e in result.errors}
+    assert set(errors) == {"rubric:exits", "rubric:exits_async", "rubric:awaits_a_cancelled_task"}
+    assert "raised SystemExit(3)" in errors["rubric:exits"].message
+    assert "raised SystemExit('bye')" in errors["rubric:exits_async"].message
+    assert "scoring was not cancelled" in errors["rubric:awaits_a_cancelled_task"].message
+    assert all(e.kind is ErrorKind.RUBRIC for e in result.errors)
+
+
+async def test_cancelling_the_scoring_still_cancels_it() -> None:
+    started = asyncio.Event()
+
+    async def slow(completion: str) -> float:
+        started.set()
+        await asyncio.sleep(30)
+        return 1.0
+
+    scoring = asyncio.ensure_future(Rubric([slow]).score(ctx_for()))
+    await asyncio.wait_for(started.wait(), 10)
+    scoring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await scoring
+    assert scoring.cancelled()
+
+
 async def test_env_without_a_handle_is_an_error() -> None:
     async def needs_env(env: Any) -> float:
         return 1.0

@@ -25,13 +25,15 @@ reward of weight 0 and in ``metrics`` under its name) but does not change the to
 Extra metrics a function returns in its :class:`~envport.rubrics.functions.Score` are
 recorded as ``"<component>/<key>"``.
 
-**Failures.** A component that raises (or times out, or returns something that is not a
-finite number) is recorded as a :class:`~envport.trace.model.TraceError` of kind
+**Failures.** A component that raises (any ``Exception``, ``SystemExit``, or a
+``CancelledError`` of its own), times out, or returns something that is not a finite
+number is recorded as a :class:`~envport.trace.model.TraceError` of kind
 ``rubric``, naming the component in ``where``; it gets no reward entry. If a weighted
 component failed, ``total`` is ``None`` — the run was not scored, it did not score 0 —
 and the caller marks the run as a rubric failure. A failed metric is recorded the same
 way but leaves the total alone. Components run concurrently; one failing does not stop
-the others.
+the others. Only ``KeyboardInterrupt`` and the cancellation of the scoring itself
+propagate out of :meth:`Rubric.score`.
 """
 
 from __future__ import annotations
@@ -175,7 +177,13 @@ class Rubric:
         return f"Rubric({self.funcs!r})"
 
     async def score(self, ctx: ScoringContext) -> RubricResult:
-        """Score one run. Never raises for a failing component; see the module docstring."""
+        """Score one run. Never raises for a failing component; see the module docstring.
+
+        A component that raises any :class:`Exception`, :class:`SystemExit`, or a
+        :class:`asyncio.CancelledError` of its own (one that is not the cancellation of
+        the scoring task) is recorded as a failure. :class:`KeyboardInterrupt` and the
+        cancellation of the scoring itself propagate.
+        """
         started = time.perf_counter()
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self._score_one(f, ctx)) for f in self.funcs]
@@ -230,6 +238,23 @@ class Rubric:
             return TraceError.from_exception(late, ErrorKind.RUBRIC, where=where)
         except Exception as exc:
             return TraceError.from_exception(exc, ErrorKind.RUBRIC, where=where)
+        except SystemExit as exc:
+            # sys.exit() in a grader (or a library it calls) is its failure, not the process's.
+            failure = RubricError(f"reward function {f.name!r} raised SystemExit({exc.code!r})")
+            failure.__cause__ = exc
+            return TraceError.from_exception(failure, ErrorKind.RUBRIC, where=where)
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the scoring itself is being cancelled: let it be
+            # Raised inside the function (e.g. it awaited a task someone cancelled), while
+            # nobody cancelled the scoring: a failure of this component, not a cancellation.
+            failure = RubricError(
+                f"reward function {f.name!r} raised CancelledError, but the scoring was not "
+                "cancelled (did it await a task or future that was cancelled?)"
+            )
+            failure.__cause__ = exc
+            return TraceError.from_exception(failure, ErrorKind.RUBRIC, where=where)
 
 
 # --- group-relative advantages -------------------------------------------------------------
