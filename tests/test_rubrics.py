@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import fractions
 import functools
 import math
 import re
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -41,6 +43,7 @@ from envport.rubrics import (
     trace_advantages,
 )
 from envport.rubrics.builtin import last_number
+from envport.rubrics.functions import set_reward_threads
 from envport.tasks import RubricSpec, Task, builtin_names, load
 from envport.tools import tool
 from envport.trace.model import ErrorKind, Reward, StepRecord, Trace
@@ -358,6 +361,79 @@ async def test_cancelling_the_scoring_still_cancels_it() -> None:
     with pytest.raises(asyncio.CancelledError):
         await scoring
     assert scoring.cancelled()
+
+
+@pytest.fixture
+def two_reward_threads() -> Iterator[None]:
+    set_reward_threads(2)
+    yield
+    set_reward_threads(None)
+
+
+async def test_hung_sync_functions_do_not_starve_asyncio_to_thread() -> None:
+    """Sync graders run on envport's own reward threads, not asyncio's default executor:
+    graders stuck past their timeouts leave asyncio.to_thread work elsewhere alone."""
+    release = threading.Event()
+    small = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    asyncio.get_running_loop().set_default_executor(small)
+
+    def hangs(completion: str) -> float:
+        release.wait(30)
+        return 1.0
+
+    try:
+        rubric = Rubric([RewardFunc(hangs, timeout_s=0.2)])
+        results = await asyncio.gather(*(rubric.score(ctx_for()) for _ in range(3)))
+        assert all(r.total is None for r in results)
+        assert all("did not finish within 0.2 s" in r.errors[0].message for r in results)
+        # The default executor has 2 threads and 3 graders are stuck: it must still be free.
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "done"), 10) == "done"
+    finally:
+        release.set()
+        small.shutdown(wait=False)
+
+
+@pytest.mark.usefixtures("two_reward_threads")
+async def test_a_sync_call_waits_for_a_reward_thread_within_its_timeout() -> None:
+    release = threading.Event()
+    ran: list[str] = []
+
+    def hangs(completion: str) -> float:
+        ran.append(threading.current_thread().name)
+        release.wait(30)
+        return 1.0
+
+    def quick(completion: str) -> float:
+        ran.append("quick")
+        return 1.0
+
+    try:
+        stuck = await Rubric([RewardFunc(hangs, timeout_s=0.2)]).score(ctx_for())
+        stuck_too = await Rubric([RewardFunc(hangs, timeout_s=0.2)]).score(ctx_for())
+        assert "did not finish" in stuck.errors[0].message
+        assert "did not finish" in stuck_too.errors[0].message
+        assert sorted(ran) == ["envport-reward-0", "envport-reward-1"]
+
+        # Both threads are held: a new sync call waits for one, and gives up at its timeout.
+        blocked = await Rubric([RewardFunc(quick, timeout_s=0.3)]).score(ctx_for())
+        assert blocked.total is None
+        assert "did not start within 0.3 s: all 2 reward threads were busy" in (
+            blocked.errors[0].message
+        )
+
+        # Async functions do not need a thread.
+        async def async_quick(completion: str) -> float:
+            return 1.0
+
+        assert (await Rubric([async_quick]).score(ctx_for())).total == 1.0
+
+        # A call that gets a thread within its timeout runs.
+        asyncio.get_running_loop().call_later(0.2, release.set)
+        waited = await Rubric([RewardFunc(quick, timeout_s=10)]).score(ctx_for())
+        assert waited.total == 1.0
+        assert ran.count("quick") == 1  # the one that gave up never ran
+    finally:
+        release.set()
 
 
 async def test_env_without_a_handle_is_an_error() -> None:

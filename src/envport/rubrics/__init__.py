@@ -42,7 +42,7 @@ from envport.rubrics.errors import (
     RubricError,
     UnknownRubricTypeError,
 )
-from envport.rubrics.functions import PARAMETERS, RewardFn, Score
+from envport.rubrics.functions import PARAMETERS, RewardFn, Score, set_reward_threads
 from envport.rubrics.rubric import (
     RewardFunc,
     Rubric,
@@ -78,5 +78,6 @@ __all__ = [
     "parse_verdict",
     "register",
     "registered_types",
+    "set_reward_threads",
     "trace_advantages",
 ]

@@ -33,20 +33,36 @@ reason and extra metrics. A number is any real number: ``int``, ``float``, ``boo
 type that converts like one, such as numpy's ``float32``, ``int64`` and ``bool_``, a 0-d
 array, ``Fraction`` or ``Decimal`` (the same holds for metrics). ``None``, NaN,
 infinities, text, complex numbers and other types are errors, not 0.
-Async functions run on the event loop; sync ones in a worker thread
-(``asyncio.to_thread``), so a slow check does not stall other rollouts. A sync function
-that is given ``env`` cannot await it: write it ``async`` if it inspects the environment.
+
+Async functions run on the event loop; sync ones on a thread of :class:`RewardThreads`,
+a bounded pool owned by this module (:data:`DEFAULT_REWARD_THREADS` threads named
+``envport-reward-N``, shared by every rubric in the process), so a slow check does not
+stall other rollouts. A sync function that is given ``env`` cannot await it: write it
+``async`` if it inspects the environment.
+
 A sync function that runs past its timeout is reported as failed, but its thread runs on
-to the end (threads cannot be stopped): give slow checks a subprocess or an ``env`` call.
+to the end (threads cannot be stopped) and holds one of the pool's threads until then:
+give slow checks a subprocess or an ``env`` call. The pool is not asyncio's default
+executor, so hung graders cannot starve ``asyncio.to_thread`` work elsewhere (trace
+stores, file reads). When every thread of the pool is held, a new sync call waits for
+one within its own timeout; if none frees up in time it fails with "did not start within
+… s: all N reward threads were busy", and a call that never started never runs. The
+threads are daemon threads, so a grader that never returns does not keep the process from
+exiting. Resize the pool with :func:`set_reward_threads`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import inspect
 import math
 import numbers
 import operator
+import os
+import queue
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +163,145 @@ def inspect_reward_fn(fn: RewardFn, name: str | None = None) -> Injection:
     return Injection(tuple(positional), tuple(keyword), is_async_callable(fn))
 
 
+# --- the threads sync reward functions run on ---------------------------------------------
+
+#: Threads in the pool for sync reward functions, unless :func:`set_reward_threads` says.
+DEFAULT_REWARD_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+_WorkItem = tuple["concurrent.futures.Future[Any]", Callable[[], Any]]
+
+
+class RewardThreads:
+    """A bounded pool of daemon threads that runs sync reward functions.
+
+    Threads start as they are needed, up to ``size``, and live until :meth:`shutdown`.
+    Work waits in a queue while all of them are busy; a call whose future is cancelled
+    before a thread takes it never runs.
+    """
+
+    def __init__(self, size: int, *, name: str = "envport-reward") -> None:
+        if size < 1:
+            raise ValueError(f"a reward thread pool needs at least 1 thread, not {size}")
+        self.size = size
+        self.name = name
+        self._queue: queue.SimpleQueue[_WorkItem | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for work (or about to)
+        self._queued = 0  # work items no thread has taken yet
+        self._closed = False
+
+    @property
+    def busy(self) -> int:
+        """Threads running a function now (including any that overran their timeout)."""
+        with self._lock:
+            return len(self._threads) - self._idle
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn()`` on a thread of the pool; its result or exception on the future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} thread pool is shut down")
+            self._queue.put((future, fn))
+            self._queued += 1
+            if self._queued > self._idle and len(self._threads) < self.size:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(thread)
+                self._idle += 1
+                thread.start()
+        return future
+
+    def shutdown(self) -> None:
+        """Stop taking work; idle threads exit now, busy ones when their function returns.
+        Work already queued still runs first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for _ in self._threads:
+                self._queue.put(None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+                if item is None:
+                    self._threads.remove(threading.current_thread())
+                    return
+                self._queued -= 1
+            future, fn = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as exc:  # handed to the caller, who decides
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del future, fn
+            with self._lock:
+                self._idle += 1
+
+
+_pool: RewardThreads | None = None
+_pool_lock = threading.Lock()
+
+
+def reward_threads() -> RewardThreads:
+    """The pool sync reward functions run on (made on first use)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = RewardThreads(DEFAULT_REWARD_THREADS)
+        return _pool
+
+
+def set_reward_threads(size: int | None) -> None:
+    """Give sync reward functions a pool of ``size`` threads (``None``: the default size).
+
+    The old pool is shut down: its idle threads exit, and a thread still running a
+    function (one that overran its timeout, say) exits when that function returns.
+    """
+    global _pool
+    new = RewardThreads(DEFAULT_REWARD_THREADS if size is None else size)
+    with _pool_lock:
+        old, _pool = _pool, new
+    if old is not None:
+        old.shutdown()
+
+
+async def run_sync(
+    fn: RewardFn,
+    *args: Any,
+    started: threading.Event | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``fn(*args, **kwargs)`` on a thread of :func:`reward_threads`, in a copy of the
+    caller's context (as ``asyncio.to_thread`` does). ``started`` is set when a thread
+    begins running it; cancelling the call before that means it never runs."""
+    context = contextvars.copy_context()
+
+    def call() -> Any:
+        if started is not None:
+            started.set()
+        return context.run(fn, *args, **kwargs)
+
+    future = reward_threads().submit(call)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if not future.cancel() and started is not None:
+            started.set()  # a thread had already taken it, and runs it on
+        raise
+
+
+# --- calling a reward function --------------------------------------------------------------
+
+
 async def resolve(name: str, ctx: ScoringContext, params: Mapping[str, Any]) -> Any:
     """The value of one injectable name in ``ctx``."""
     if name == "state":
@@ -175,14 +330,22 @@ async def call_reward_fn(
     params: Mapping[str, Any],
     *,
     name: str,
+    started: threading.Event | None = None,
 ) -> Score:
-    """Call ``fn`` with what it asked for, and check what it returned."""
+    """Call ``fn`` with what it asked for, and check what it returned.
+
+    A sync ``fn`` runs on :func:`reward_threads`; ``started`` is set when it begins
+    (for an async ``fn``, when it is called), so a caller that gave up can tell a call
+    that overran from one that never got a thread.
+    """
     args = [await resolve(n, ctx, params) for n in injection.positional]
     kwargs = {n: await resolve(n, ctx, params) for n in injection.keyword}
     if injection.is_async:
+        if started is not None:
+            started.set()
         value = await fn(*args, **kwargs)
     else:
-        value = await asyncio.to_thread(fn, *args, **kwargs)
+        value = await run_sync(fn, *args, started=started, **kwargs)
         if inspect.isawaitable(value):
             value = await value
     return to_score(value, name)

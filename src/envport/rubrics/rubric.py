@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ from envport.rubrics.functions import (
     call_reward_fn,
     callable_name,
     inspect_reward_fn,
+    reward_threads,
 )
 from envport.trace.model import ErrorKind, Reward, Trace, TraceError
 
@@ -227,13 +229,24 @@ class Rubric:
     async def _score_one(self, f: RewardFunc, ctx: ScoringContext) -> Score | TraceError:
         where = f"rubric:{f.name}"
         limit = f.timeout_s or self.timeout_s
+        started = threading.Event()
         try:
             async with asyncio.timeout(limit) as deadline:
-                return await call_reward_fn(f.fn, f.injection, ctx, f.params, name=f.name)
+                return await call_reward_fn(
+                    f.fn, f.injection, ctx, f.params, name=f.name, started=started
+                )
         except TimeoutError as exc:
             if not deadline.expired():
                 return TraceError.from_exception(exc, ErrorKind.RUBRIC, where=where)
-            late = RubricError(f"reward function {f.name!r} did not finish within {limit:g} s")
+            if f.injection.is_async or started.is_set():
+                late = RubricError(f"reward function {f.name!r} did not finish within {limit:g} s")
+            else:
+                pool = reward_threads()
+                late = RubricError(
+                    f"reward function {f.name!r} did not start within {limit:g} s: all "
+                    f"{pool.size} reward threads were busy (sync reward functions that "
+                    "overran their timeouts hold theirs until they return); it was not run"
+                )
             late.__cause__ = exc
             return TraceError.from_exception(late, ErrorKind.RUBRIC, where=where)
         except Exception as exc:
