@@ -32,6 +32,7 @@ from envport.rubrics import (
     RewardFunc,
     Rubric,
     RubricBuildError,
+    RubricResult,
     Score,
     ScoringContext,
     UnknownRubricTypeError,
@@ -444,15 +445,35 @@ async def test_env_without_a_handle_is_an_error() -> None:
     assert "no environment handle" in result.errors[0].message
 
 
-async def test_empty_or_metric_only_rubrics_give_no_total() -> None:
-    assert (await Rubric([]).score(ctx_for())).total is None
+async def test_empty_or_metric_only_rubrics_give_no_total_and_no_failure() -> None:
+    empty = await Rubric([]).score(ctx_for())
+    assert (empty.total, empty.weighted, empty.failed) == (None, False, False)
 
     def m(completion: str) -> float:
         return 3.0
 
-    result = await Rubric([RewardFunc(m, 0.0)]).score(ctx_for())
+    def broken(completion: str) -> float:
+        raise ValueError("no tokenizer")
+
+    rubric = Rubric([RewardFunc(m, 0.0)])
+    assert not rubric.weighted
+    result = await rubric.score(ctx_for())
     assert result.total is None
+    assert not result.weighted
+    assert not result.failed  # nothing to total is not a failed scoring
     assert result.metrics == {"m": 3.0}
+
+    # A failed metric in a metrics-only rubric is recorded, and still is not a failure.
+    result = await Rubric([RewardFunc(m, 0.0), RewardFunc(broken, 0.0)]).score(ctx_for())
+    assert (result.total, result.failed, result.ok) == (None, False, False)
+    assert [e.where for e in result.errors] == ["rubric:broken"]
+
+    # A weighted component that failed is: the same total None, told apart by `failed`.
+    result = await Rubric([RewardFunc(m, 0.0), RewardFunc(broken, 1.0)]).score(ctx_for())
+    assert (result.total, result.weighted, result.failed) == (None, True, True)
+    scored = await Rubric([RewardFunc(m, 1.0), RewardFunc(broken, 0.0)]).score(ctx_for())
+    assert (scored.total, scored.weighted, scored.failed) == (3.0, True, False)
+    assert RubricResult.model_validate_json(scored.model_dump_json()).weighted
 
 
 # --- group advantages --------------------------------------------------------------------------

@@ -30,10 +30,17 @@ recorded as ``"<component>/<key>"``.
 number is recorded as a :class:`~envport.trace.model.TraceError` of kind
 ``rubric``, naming the component in ``where``; it gets no reward entry. If a weighted
 component failed, ``total`` is ``None`` — the run was not scored, it did not score 0 —
-and the caller marks the run as a rubric failure. A failed metric is recorded the same
-way but leaves the total alone. Components run concurrently; one failing does not stop
-the others. Only ``KeyboardInterrupt`` and the cancellation of the scoring itself
-propagate out of :meth:`Rubric.score`.
+and ``failed`` is true: the caller marks the run as a rubric failure. A failed metric is
+recorded the same way but leaves the total alone. Components run concurrently; one
+failing does not stop the others. Only ``KeyboardInterrupt`` and the cancellation of the
+scoring itself propagate out of :meth:`Rubric.score`.
+
+**No weighted component.** A rubric that is empty or made only of metrics has no total
+either (``total`` is ``None``), but nothing failed: ``weighted`` and ``failed`` are false.
+The caller treats such a run like one of a task with no rubric — completed, unscored —
+with its metrics (and any failed metric's error) recorded. So ``failed`` means "a
+weighted component failed", and ``total is None and not failed`` means "nothing to
+total".
 """
 
 from __future__ import annotations
@@ -113,14 +120,24 @@ class RubricResult(BaseModel):
 
     rewards: list[Reward] = Field(default_factory=list)
     total: float | None = None
+    #: The rubric had a component with a non-zero weight, so it makes a total. False for
+    #: an empty or metrics-only rubric, whose ``total`` is always ``None``.
+    weighted: bool = False
     errors: list[TraceError] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
     duration_s: float = 0.0
 
     @property
     def ok(self) -> bool:
-        """No component failed."""
+        """No component failed (metrics included)."""
         return not self.errors
+
+    @property
+    def failed(self) -> bool:
+        """A weighted component failed, so the run is unscored *because scoring failed*:
+        the rollout is a rubric failure. False when there was nothing to total (an empty
+        or metrics-only rubric), even if a metric failed."""
+        return self.weighted and self.total is None
 
     def apply(self, trace: Trace) -> Trace:
         """Record this result on ``trace`` (in place) and return it.
@@ -172,6 +189,11 @@ class Rubric:
     def names(self) -> list[str]:
         return [f.name for f in self.funcs]
 
+    @property
+    def weighted(self) -> bool:
+        """Whether any component has a non-zero weight (else the rubric makes no total)."""
+        return any(not f.is_metric for f in self.funcs)
+
     def __len__(self) -> int:
         return len(self.funcs)
 
@@ -206,8 +228,8 @@ class Rubric:
                 result.metrics[f.name] = outcome.value
             for key, value in outcome.metrics.items():
                 result.metrics[f"{f.name}/{key}"] = value
-        weighted = any(not f.is_metric for f in self.funcs)
-        result.total = total if weighted and not failed_weighted else None
+        result.weighted = self.weighted
+        result.total = total if result.weighted and not failed_weighted else None
         result.duration_s = time.perf_counter() - started
         return result
 
