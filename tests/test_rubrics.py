@@ -7,6 +7,7 @@ import concurrent.futures
 import dataclasses
 import fractions
 import functools
+import json
 import math
 import re
 import threading
@@ -40,6 +41,7 @@ from envport.rubrics import (
     from_specs,
     group_advantages,
     parse_verdict,
+    register,
     registered_types,
     trace_advantages,
 )
@@ -1093,6 +1095,58 @@ def test_from_specs_errors_name_what_exists() -> None:
         ]
     )
     assert named.names == ["exact_match", "r"]
+
+
+def test_a_tasks_rubric_is_checked_before_it_runs(tmp_path: Path) -> None:
+    """Rubric.for_task builds a task's rubric with no environment: the check to make
+    before the agent runs, so a bad spec fails the task at once, naming it and the spec."""
+    lines = [
+        {
+            "id": "typo",
+            "prompt": "p",
+            "answer": "5",
+            "rubric": ["exact_match", {"type": "numeric_match", "abs_tolerance": 0.5}],
+        },
+        {"id": "nan", "prompt": "p", "rubric": [{"type": "exact_match", "weight": math.nan}]},
+        {"id": "unknown", "prompt": "p", "rubric": ["exact_matc"]},
+        {
+            "id": "ok",
+            "prompt": "p",
+            "answer": "5",
+            "rubric": [
+                {"type": "numeric_match", "abs_tol": 0.5},
+                {"type": "regex", "pattern": "x", "weight": 0},
+            ],
+        },
+        {"id": "none", "prompt": "p"},
+    ]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tasks = {t.id: t for t in load(str(path))}
+
+    with pytest.raises(RubricBuildError) as typo:
+        Rubric.for_task(tasks["typo"])
+    assert str(typo.value).startswith("task 'typo': rubric[1]: rubric 'numeric_match': ")
+    assert "'abs_tolerance'" in str(typo.value)
+    assert "Its params are: abs_tol, rel_tol, expected" in str(typo.value)
+    assert typo.value.details == {"type": "numeric_match", "index": 1, "task": "typo"}
+
+    with pytest.raises(RubricBuildError, match=r"^task 'nan': rubric\[0\]: .*must be finite"):
+        Rubric.for_task(tasks["nan"])
+    with pytest.raises(UnknownRubricTypeError, match=r"^task 'unknown': rubric\[0\]: Unknown"):
+        Rubric.for_task(tasks["unknown"])
+    assert Rubric.for_task(tasks["ok"]).weighted
+    assert len(Rubric.for_task(tasks["none"])) == 0
+    assert not Rubric.for_task(tasks["none"]).weighted
+
+
+def test_a_factory_that_raises_anything_is_a_build_error() -> None:
+    @register("test_flaky_factory", replace=True)
+    def flaky(*, path: str = "x") -> Any:
+        raise KeyError(path)
+
+    with pytest.raises(RubricBuildError, match=r"rubric\[0\]: .*factory raised KeyError: 'x'"):
+        from_specs([RubricSpec(type="test_flaky_factory")])
 
 
 @pytest.mark.parametrize("correct", [True, False])

@@ -107,12 +107,38 @@ def build(spec: RubricSpec) -> RewardFunc:
         raise
     except (TypeError, ValueError) as exc:
         raise RubricBuildError(f"rubric {spec.type!r}: {exc}", type=spec.type) from exc
+    except Exception as exc:  # a factory of any kind fails at build time, as a build error
+        raise RubricBuildError(
+            f"rubric {spec.type!r}: its factory raised {type(exc).__name__}: {exc}",
+            type=spec.type,
+        ) from exc
     return RewardFunc(fn, spec.weight, str(name), params=params)
 
 
 def from_specs(specs: Sequence[RubricSpec], *, timeout_s: float | None = None) -> Rubric:
-    """The :class:`Rubric` a task's rubric specs describe (``Task.rubric``)."""
-    return Rubric([build(spec) for spec in specs], timeout_s=timeout_s)
+    """The :class:`Rubric` a task's rubric specs describe (``Task.rubric``).
+
+    Cheap (no environment, no network): call it before a run to check a task's rubric.
+    A spec that cannot be built raises :class:`RubricBuildError` (of its own subclass, e.g.
+    :class:`UnknownRubricTypeError`), its message starting with the spec's place,
+    ``rubric[i]: ``, and ``index`` in its details.
+    """
+    funcs = []
+    for index, spec in enumerate(specs):
+        try:
+            funcs.append(build(spec))
+        except RubricBuildError as exc:
+            raise locate(exc, f"rubric[{index}]", index=index) from exc.__cause__
+    return Rubric(funcs, timeout_s=timeout_s)
+
+
+def locate(exc: RubricBuildError, where: str, **details: Any) -> RubricBuildError:
+    """``exc`` with ``where`` put in front of its message and ``details`` added; its class
+    is kept, so ``except UnknownRubricTypeError`` still catches it."""
+    exc.message = f"{where}: {exc.message}"
+    exc.args = (exc.message, *exc.args[1:])
+    exc.details.update(details)
+    return exc
 
 
 # --- text helpers ---------------------------------------------------------------------------

@@ -180,10 +180,22 @@ class Rubric:
 
     @classmethod
     def for_task(cls, task: Task, *, timeout_s: float | None = None) -> Rubric:
-        """The rubric a task's ``rubric`` specs describe (see :func:`from_specs`)."""
-        from envport.rubrics.builtin import from_specs
+        """The rubric a task's ``rubric`` specs describe (see :func:`from_specs`); each
+        component's timeout is ``timeout_s``, else the task's scoring timeout.
 
-        return from_specs(task.rubric, timeout_s=timeout_s or task.resources.timeouts.scoring)
+        Cheap — no environment, no network — so a caller builds it before the agent runs
+        and scores with it afterwards: a task whose rubric cannot be built (an unknown
+        type, a misspelt param such as ``abs_tolerance``, a NaN weight, two components of
+        one name) fails at once with :class:`RubricBuildError`, whose message starts
+        ``task '<id>': rubric[<i>]: `` and whose details hold ``task`` (and ``index``). A
+        task with no rubric gives an empty rubric (``weighted`` false).
+        """
+        from envport.rubrics.builtin import from_specs, locate
+
+        try:
+            return from_specs(task.rubric, timeout_s=timeout_s or task.resources.timeouts.scoring)
+        except RubricBuildError as exc:
+            raise locate(exc, f"task {task.id!r}", task=task.id) from exc.__cause__
 
     @property
     def names(self) -> list[str]:
