@@ -658,6 +658,40 @@ async def test_two_different_tasks_with_one_id_are_refused_before_either_runs(
     assert again[0].trace.trace_id == done.trace.trace_id
 
 
+async def test_a_task_whose_rubric_cannot_be_built_never_runs_its_agent(
+    store: AsyncTraceStore,
+) -> None:
+    """A misspelt rubric parameter failed only after the agent's whole run (its model
+    calls spent); now the rollout fails at once as the task's error, not retried."""
+    harness = ScriptHarness()
+    typo = task("typo", ["hi"], rubric=[{"type": "numeric_match", "abs_tolerance": 0.5}])
+    config = ControllerConfig(max_attempts=3, **FAST)
+    summary = await Controller(store, InProcessBackend(), harness, config, run_id="r").run(
+        [RolloutSpec(typo)]
+    )
+    assert (summary.failed, summary.attempts, harness.peak) == (1, 1, 0)  # agent never ran
+    (trace,) = await store.query(run_id="r")
+    assert trace.errors[0].kind.value == "task"
+    assert "task 'typo': rubric[0]" in trace.errors[0].message
+    assert "abs_tolerance" in trace.errors[0].message
+
+
+async def test_a_rubric_of_metrics_only_completes_unscored_with_its_metrics(
+    store: AsyncTraceStore,
+) -> None:
+    """Every weight 0: no total to make, so the rollout completes unscored (as a task
+    with no rubric); it was failed, with no error recorded."""
+    metrics = task("m", ["42"], rubric=[{"type": "regex", "pattern": "x", "weight": 0}])
+    config = ControllerConfig(**FAST)
+    summary = await Controller(store, InProcessBackend(), ScriptHarness(), config, run_id="r").run(
+        [RolloutSpec(metrics)]
+    )
+    assert summary.succeeded == 1
+    (trace,) = await store.query(run_id="r")
+    assert (trace.status, trace.reward, trace.errors) == (TraceStatus.COMPLETED, None, [])
+    assert "regex" in trace.metrics
+
+
 async def test_a_controller_entered_again_asks_the_store_not_its_old_tasks(
     store: AsyncTraceStore,
 ) -> None:

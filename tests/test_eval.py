@@ -155,7 +155,9 @@ async def test_unknown_env_and_crashing_env_do_not_stop_the_batch(
     assert summary.errors_by_kind == {"environment": 2}
 
 
-async def test_rubric_that_raises_is_recorded(model_url: str, tmp_path: Path) -> None:
+async def test_a_rubric_that_cannot_be_built_fails_the_task_before_its_agent_runs(
+    model_url: str, tmp_path: Path
+) -> None:
     task = Task(
         id="bad-rubric",
         prompt="What is 1 + 1?",
@@ -166,8 +168,10 @@ async def test_rubric_that_raises_is_recorded(model_url: str, tmp_path: Path) ->
     summary, traces = await run([task], model_url, tmp_path / "t.db")
     assert summary.failed == 1
     (trace,) = traces
-    assert trace.errors[0].kind.value == "rubric"
+    assert trace.errors[0].kind.value == "task"
+    assert "no_such_rubric" in trace.errors[0].message
     assert trace.reward is None
+    assert trace.model_calls == []  # the agent never ran
 
 
 async def test_a_rubric_raising_while_it_scores_is_a_rubric_error_never_zero(

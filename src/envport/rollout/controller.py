@@ -68,6 +68,7 @@ from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
 from envport.rollout.pool import EnvPool, Lease, PoolClosedError
 from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutState
+from envport.rubrics import Rubric, RubricBuildError
 from envport.tasks import Task
 from envport.trace import AsyncTraceStore, ErrorKind, Run, Trace, TraceError, TraceStatus
 from envport.trace.store import AttemptRecord, RolloutRecord, SQLiteTraceStore
@@ -164,6 +165,8 @@ def classify(exc: BaseException, stage: str) -> ErrorKind:
     """Where a failure belongs, from what was raised and the stage it was raised in."""
     if isinstance(exc, ModelProviderError):
         return ErrorKind.MODEL_PROVIDER
+    if isinstance(exc, RubricBuildError):
+        return ErrorKind.TASK  # the task's own rubric cannot be built: never retried
     if isinstance(exc, (ConnectionLostError, BackendError, PoolClosedError, *_HUNG)):
         # In any stage: scoring on a dead env is retried; an env call that ran past its
         # deadline, or got no reply at all, hung (the hang watchdog may name it first).
@@ -179,13 +182,15 @@ def classify(exc: BaseException, stage: str) -> ErrorKind:
     return ErrorKind.HARNESS  # the agent loop itself, or its deadline
 
 
-async def score(task: Task, trace: Trace, env: EnvClient) -> None:
-    """Score with the task's rubric; the env stays open so rubrics can inspect it."""
-    from envport.rubrics import ClientHandle, ScoringContext, from_specs
+async def score(task: Task, trace: Trace, env: EnvClient, rubric: Rubric | None = None) -> None:
+    """Score with the task's rubric (``rubric``: built already, see
+    :meth:`~envport.rubrics.Rubric.for_task`); the env stays open so rubrics can inspect
+    it."""
+    from envport.rubrics import ClientHandle, ScoringContext
 
-    if not task.rubric:
+    rubric = rubric if rubric is not None else Rubric.for_task(task)
+    if not len(rubric):
         return
-    rubric = from_specs(task.rubric)
     ctx = ScoringContext(trace=trace, task=task, env=ClientHandle(env))
     result = await rubric.score(ctx)
     result.apply(trace)
@@ -994,8 +999,13 @@ class Controller:
         # (hang_timeout_s), which classifies it as an infrastructure fault and retries.
         call_s = max(60.0, start_s, agent_s, scoring_s)
         t0 = time.perf_counter()
-        stage = "env_start"
+        stage = "task"
+        rubric: Rubric | None = None
         try:
+            # Built before anything starts: a task whose rubric cannot be built never
+            # runs its agent (kind `task`), and the rubric says whether it totals.
+            rubric = Rubric.for_task(task)
+            stage = "env_start"
             if task.env_id is None:
                 raise EnvportError(f"Task {task.id!r} names no environment (env_id).")
             if harness is None:
@@ -1005,7 +1015,9 @@ class Controller:
             start_by = asyncio.get_running_loop().time() + start_s
             async with self._pool(task.env_id, task).lease(timeout_s=start_s) as lease:
                 try:
-                    await self._on_instance(f, lease, harness, call_s, start_by, agent_s, scoring_s)
+                    await self._on_instance(
+                        f, lease, harness, rubric, call_s, start_by, agent_s, scoring_s
+                    )
                 except _StageFailed as failed:
                     if failed.kind in cfg.retry_on:  # retried on a fresh instance
                         await self._recycle(lease, failed.error)
@@ -1016,7 +1028,8 @@ class Controller:
             self._record(trace, stage, exc, classify(exc, stage))
         trace.timings["total"] = time.perf_counter() - t0
         trace.finished_at = datetime.now(UTC)
-        scored = trace.reward is not None or not task.rubric
+        # A rubric of metrics only (every weight 0) makes no total: completed, unscored.
+        scored = trace.reward is not None or rubric is None or not rubric.weighted
         fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
         if fatal or not scored:
             trace.status = TraceStatus.FAILED
@@ -1056,6 +1069,7 @@ class Controller:
         f: _Flight,
         lease: Lease,
         harness: Harness,
+        rubric: Rubric,
         call_s: float,
         start_by: float,
         agent_s: float,
@@ -1087,7 +1101,7 @@ class Controller:
             )
             await self._move(f, RolloutState.SCORING, AttemptState.SCORING)
             await self._watch(
-                f, score(f.spec.task, trace, client), scoring_s, lease, "scoring", client
+                f, score(f.spec.task, trace, client, rubric), scoring_s, lease, "scoring", client
             )
         finally:
             await _close_quietly(client)
