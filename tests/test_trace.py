@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import queue
 import signal
 import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -40,6 +43,7 @@ from envport.trace import (
     TraceStatus,
     TraceStore,
     TraceStoreError,
+    TraceStoreLockedError,
     Usage,
     export_traces,
     import_traces,
@@ -435,6 +439,60 @@ def test_concurrent_writers_from_threads_and_two_connections(tmp_path: Path) -> 
     assert other.count(min_reward=39) == 8
     shared.close()
     other.close()
+
+
+def _open_and_write(path: str, i: int, barrier: Any, results: Any) -> None:
+    """A process opening ``path`` the moment its peers do; reports 'ok' or the error."""
+    try:
+        barrier.wait(timeout=60)
+        with SQLiteTraceStore(path) as store:
+            for k in range(5):
+                store.put(Trace(trace_id=f"p{i}-{k}", run_id=f"r{i}"))
+        results.put((i, "ok"))
+    except BaseException as exc:  # reported to the test
+        results.put((i, f"{type(exc).__name__}: {exc}"))
+
+
+def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path: Path) -> None:
+    # Setting up a new file takes locks SQLite's busy timeout does not wait for (the
+    # switch to WAL): without retrying, one of several processes failed at once.
+    ctx = multiprocessing.get_context("fork")
+    n = 8
+    for rep in range(12):
+        path = str(tmp_path / f"s{rep}.db")
+        barrier = ctx.Barrier(n)
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(target=_open_and_write, args=(path, i, barrier, results)) for i in range(n)
+        ]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=90) for _ in range(n)]
+        for p in procs:
+            p.join(timeout=30)
+        failed = [o for o in outcomes if o[1] != "ok"]
+        assert not failed, f"rep {rep}: {failed}"
+        with SQLiteTraceStore(path) as store:
+            assert store.count() == n * 5
+            assert store.schema_version == 2
+
+
+def test_a_store_locked_past_the_busy_timeout_is_a_lock_error(tmp_path: Path) -> None:
+    store_at(tmp_path).close()
+    holder = sqlite3.connect(tmp_path / "traces.db", isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")  # held until the end of the test
+    try:
+        started = time.monotonic()
+        with pytest.raises(TraceStoreLockedError, match="is locked by another process") as info:
+            SQLiteTraceStore(tmp_path / "traces.db", busy_timeout_s=0.5)
+        assert 0.4 < time.monotonic() - started < 10
+        assert "not a usable" not in str(info.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    with store_at(tmp_path) as store:  # usable once the lock is gone
+        assert store.count() == 0
 
 
 async def test_async_store_from_asyncio(tmp_path: Path) -> None:

@@ -8,7 +8,12 @@
 * :mod:`envport.trace.export` — JSONL and Parquet export and import.
 """
 
-from envport.trace.errors import TraceFormatError, TraceNotFoundError, TraceStoreError
+from envport.trace.errors import (
+    TraceFormatError,
+    TraceNotFoundError,
+    TraceStoreError,
+    TraceStoreLockedError,
+)
 from envport.trace.export import (
     export_traces,
     import_traces,
@@ -62,6 +67,7 @@ __all__ = [
     "TraceStatus",
     "TraceStore",
     "TraceStoreError",
+    "TraceStoreLockedError",
     "Usage",
     "export_traces",
     "import_traces",

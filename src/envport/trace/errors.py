@@ -4,6 +4,7 @@
 
     EnvportError
     ├── TraceStoreError            the store cannot be opened, migrated or written
+    │   ├── TraceStoreLockedError  another process held the store locked too long
     │   └── TraceNotFoundError     no trace (or run) with this id
     └── TraceFormatError           a file being imported is not valid traces
                                    (names the file and the line or row)
@@ -18,6 +19,10 @@ from envport.errors import EnvportError
 
 class TraceStoreError(EnvportError):
     """The trace store cannot be opened, migrated, read or written."""
+
+
+class TraceStoreLockedError(TraceStoreError):
+    """Another process kept the store locked past the store's busy timeout."""
 
 
 class TraceNotFoundError(TraceStoreError, LookupError):

@@ -28,15 +28,19 @@ second final trace for the same rollout: each rollout is stored exactly once.
 
 Concurrency. One connection per store, guarded by a lock, so a store may be shared by
 threads (and by ``asyncio.to_thread``). Several processes may open the same file; WAL
-lets readers proceed while one writes, and ``busy_timeout`` queues writers.
+lets readers proceed while one writes, and ``busy_timeout`` queues writers. Opening
+waits out the same timeout, retrying the locks SQLite does not queue (several processes
+creating one new store at once); a lock held longer is a :class:`TraceStoreLockedError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,7 +49,7 @@ from typing import Any, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envport.trace.errors import TraceNotFoundError, TraceStoreError
+from envport.trace.errors import TraceNotFoundError, TraceStoreError, TraceStoreLockedError
 from envport.trace.model import Run, Trace, TraceStatus
 
 StatusFilter = TraceStatus | str | Sequence[TraceStatus | str] | None
@@ -319,6 +323,14 @@ class StaleStateError(TraceStoreError):
     """A compare-and-set on a rollout's state lost: someone else moved it first."""
 
 
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    """Whether ``exc`` is SQLite's SQLITE_BUSY or SQLITE_LOCKED (any extended code)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (5, 6)
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
 def _ts(dt: datetime) -> str:
     """A sortable UTC timestamp; naive datetimes are taken to be UTC."""
     if dt.tzinfo is None:
@@ -393,6 +405,7 @@ class SQLiteTraceStore:
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError(f"synchronous must be 'NORMAL' or 'FULL', not {synchronous!r}")
         self.path = str(path)
+        self._busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
         self._closed = False
         if self.path != ":memory:":
@@ -407,13 +420,42 @@ class SQLiteTraceStore:
         except sqlite3.Error as exc:
             raise TraceStoreError(f"cannot open trace store {self.path!r}: {exc}") from exc
         try:
-            self._configure(synchronous, busy_timeout_s)
-            self._migrate()
+            deadline = time.monotonic() + busy_timeout_s
+            self._until_unlocked(lambda: self._configure(synchronous, busy_timeout_s), deadline)
+            self._until_unlocked(self._migrate, deadline)
         except BaseException:
             self._conn.close()
             raise
 
     # --- setup -------------------------------------------------------------------------
+
+    def _until_unlocked(self, step: Callable[[], None], deadline: float) -> None:
+        """Run ``step``, again and again while the database is locked, until ``deadline``.
+
+        SQLite's busy timeout does not cover every lock taken while a store is set up:
+        ``PRAGMA journal_mode = WAL`` on a file another process is creating (or whose
+        WAL it is recovering) fails with ``database is locked`` at once. Several
+        processes opening one new store together is normal (parallel workers), so the
+        setup waits, with backoff, as long as a write would; a lock that outlasts the
+        busy timeout is a :class:`TraceStoreLockedError`.
+        """
+        delay = 0.005
+        while True:
+            try:
+                step()
+                return
+            except sqlite3.OperationalError as exc:
+                if not _is_locked(exc):
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TraceStoreLockedError(
+                        f"trace store {self.path!r} is locked by another process "
+                        f"(still locked after the {self._busy_timeout_s:g} s busy timeout): "
+                        f"{exc}"
+                    ) from exc
+                time.sleep(min(delay * (0.5 + random.random()), left))
+                delay = min(delay * 2, 0.25)
 
     def _configure(self, synchronous: str, busy_timeout_s: float) -> None:
         conn = self._conn
@@ -427,12 +469,33 @@ class SQLiteTraceStore:
                 )
             conn.execute(f"PRAGMA synchronous = {synchronous}")
         except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                raise  # retried by _until_unlocked
             raise TraceStoreError(
                 f"{self.path!r} is not a usable SQLite trace store: {exc}"
             ) from exc
 
+    def _check_version(self, current: int) -> None:
+        if current > DB_SCHEMA_VERSION:
+            raise TraceStoreError(
+                f"trace store {self.path!r} has schema version {current}, newer than "
+                f"this envport knows ({DB_SCHEMA_VERSION}); upgrade envport"
+            )
+
     def _migrate(self) -> None:
         conn = self._conn
+        try:  # a store that is up to date (the usual case) needs no write lock to open
+            row = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+        except sqlite3.OperationalError as exc:
+            if _is_locked(exc):
+                raise  # retried by _until_unlocked
+            row = None  # no schema_migrations yet: a new store
+        except sqlite3.DatabaseError as exc:
+            raise TraceStoreError(f"cannot migrate trace store {self.path!r}: {exc}") from exc
+        if row is not None:
+            self._check_version(int(row[0] or 0))
+            if int(row[0] or 0) == DB_SCHEMA_VERSION:
+                return
         try:
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
@@ -442,11 +505,7 @@ class SQLiteTraceStore:
             )
             row = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
             current = int(row[0] or 0)
-            if current > DB_SCHEMA_VERSION:
-                raise TraceStoreError(
-                    f"trace store {self.path!r} has schema version {current}, newer than "
-                    f"this envport knows ({DB_SCHEMA_VERSION}); upgrade envport"
-                )
+            self._check_version(current)
             for version, description, statements in _MIGRATIONS:
                 if version <= current:
                     continue
@@ -461,6 +520,8 @@ class SQLiteTraceStore:
         except BaseException as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.OperationalError) and _is_locked(exc):
+                raise  # retried by _until_unlocked
             if isinstance(exc, sqlite3.Error):
                 raise TraceStoreError(f"cannot migrate trace store {self.path!r}: {exc}") from exc
             raise
