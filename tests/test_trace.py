@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -507,6 +508,48 @@ async def test_async_store_from_asyncio(tmp_path: Path) -> None:
         await store.put_run(Run(run_id="r2"))
         assert [r.run_id for r in await store.list_runs()] == ["r", "r2"]
         assert (await store.get_run("r2")).run_id == "r2"
+
+
+async def test_async_store_writes_while_the_default_executor_is_full(tmp_path: Path) -> None:
+    # Blocked work on the loop's default executor (sync reward functions still running
+    # past their timeout) must not hold trace writes back: the facade has its own thread.
+    loop = asyncio.get_running_loop()
+    release = threading.Event()
+    busy = ThreadPoolExecutor(max_workers=2)
+    loop.set_default_executor(busy)
+    blocked = [loop.run_in_executor(None, release.wait) for _ in range(4)]
+    try:
+        store = AsyncTraceStore(store_at(tmp_path))
+        await asyncio.wait_for(store.put(Trace(trace_id="t", run_id="r")), timeout=10)
+        assert await asyncio.wait_for(store.count(run_id="r"), timeout=10) == 1
+        names = await asyncio.wait_for(
+            store.run(lambda: threading.current_thread().name), timeout=10
+        )
+        assert names.startswith("envport-trace-store")
+        await asyncio.wait_for(store.aclose(), timeout=10)
+        assert all(not f.done() for f in blocked)  # the default executor was full throughout
+    finally:
+        release.set()
+        await asyncio.gather(*blocked)
+        busy.shutdown(wait=True)
+
+
+async def test_async_store_close_closes_the_store_and_its_thread(tmp_path: Path) -> None:
+    inner = store_at(tmp_path)
+    store = AsyncTraceStore(inner)
+    await store.put(Trace(trace_id="t"))
+    worker = await store.run(threading.current_thread)
+    assert worker is not threading.current_thread()
+    await store.aclose()
+    await store.aclose()  # twice is fine
+    with pytest.raises(TraceStoreError, match="closed"):
+        inner.count()
+    with pytest.raises(TraceStoreError, match="closed"):
+        await store.count()
+    worker.join(timeout=10)  # the worker thread goes once the executor is shut down
+    assert not worker.is_alive()
+    with pytest.raises(ValueError, match="max_workers"):
+        AsyncTraceStore(inner, max_workers=0)
 
 
 # --- export / import --------------------------------------------------------------------

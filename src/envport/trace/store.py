@@ -2,7 +2,7 @@
 
 :class:`TraceStore` is a small synchronous protocol (put, get, query, count, runs), so a
 server database can implement it later without touching callers; async code wraps any
-store in :class:`AsyncTraceStore`, which runs each call in a worker thread.
+store in :class:`AsyncTraceStore`, which runs each call in a worker thread of its own.
 
 :class:`SQLiteTraceStore` is the embedded default: one file, no server. Each trace is
 stored whole as its JSON body, with the columns that queries filter on (run, task,
@@ -27,7 +27,7 @@ rollout's final trace together with its final state in one transaction, refusing
 second final trace for the same rollout: each rollout is stored exactly once.
 
 Concurrency. One connection per store, guarded by a lock, so a store may be shared by
-threads (and by ``asyncio.to_thread``). Several processes may open the same file; WAL
+threads (and by :class:`AsyncTraceStore`'s worker). Several processes may open the same file; WAL
 lets readers proceed while one writes, and ``busy_timeout`` queues writers. Opening
 waits out the same timeout, retrying the locks SQLite does not queue (several processes
 creating one new store at once); a lock held longer is a :class:`TraceStoreLockedError`.
@@ -36,12 +36,15 @@ creating one new store at once); a lock held longer is a :class:`TraceStoreLocke
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
 import random
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -986,47 +989,83 @@ class SQLiteTraceStore:
 
 
 class AsyncTraceStore:
-    """Any :class:`TraceStore`, awaitable: each call runs in a worker thread.
+    """Any :class:`TraceStore`, awaitable: each call runs in the facade's own worker thread.
 
     ``async with AsyncTraceStore(SQLiteTraceStore(path)) as store: await store.put(t)``
+
+    The calls run on an executor of the facade's own (one thread by default), not on the
+    event loop's default executor: that one is shared with everything else that uses
+    ``asyncio.to_thread``, and blocked work there (a sync reward function still running
+    past its timeout) would otherwise hold trace writes back. One thread loses nothing
+    for :class:`SQLiteTraceStore`, whose calls take turns on one connection anyway; pass
+    ``max_workers`` for a store that can serve calls in parallel. :meth:`aclose` closes
+    the store and then the executor. An executor left unclosed (a facade dropped without
+    :meth:`aclose`, the store still in use elsewhere) lets its idle thread go when the
+    facade is garbage collected.
     """
 
-    def __init__(self, store: TraceStore) -> None:
+    def __init__(self, store: TraceStore, *, max_workers: int = 1) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, not {max_workers}")
         self.store = store
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="envport-trace-store"
+        )
+        self._closed = False
+
+    async def run(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` on the store's executor (for calls beyond this facade,
+        such as the rollout methods of :class:`SQLiteTraceStore`)."""
+        if self._closed:
+            raise TraceStoreError(f"{self!r} is closed")
+        loop = asyncio.get_running_loop()
+        ctx = contextvars.copy_context()
+        call = functools.partial(ctx.run, fn, *args, **kwargs)
+        return await loop.run_in_executor(self._executor, call)
 
     async def put(self, trace: Trace) -> None:
-        await asyncio.to_thread(self.store.put, trace)
+        await self.run(self.store.put, trace)
 
     async def put_many(self, traces: Iterable[Trace]) -> int:
         items = list(traces)
-        return await asyncio.to_thread(self.store.put_many, items)
+        return await self.run(self.store.put_many, items)
 
     async def get(self, trace_id: str) -> Trace:
-        return await asyncio.to_thread(self.store.get, trace_id)
+        return await self.run(self.store.get, trace_id)
 
     async def delete(self, trace_id: str) -> bool:
-        return await asyncio.to_thread(self.store.delete, trace_id)
+        return await self.run(self.store.delete, trace_id)
 
     async def query(self, **filters: Any) -> list[Trace]:
-        return await asyncio.to_thread(lambda: self.store.query(**filters))
+        return await self.run(lambda: self.store.query(**filters))
 
     async def count(self, **filters: Any) -> int:
-        return await asyncio.to_thread(lambda: self.store.count(**filters))
+        return await self.run(lambda: self.store.count(**filters))
 
     async def count_by_status(self, *, run_id: str | None = None) -> dict[TraceStatus, int]:
-        return await asyncio.to_thread(lambda: self.store.count_by_status(run_id=run_id))
+        return await self.run(lambda: self.store.count_by_status(run_id=run_id))
 
     async def put_run(self, run: Run) -> None:
-        await asyncio.to_thread(self.store.put_run, run)
+        await self.run(self.store.put_run, run)
 
     async def get_run(self, run_id: str) -> Run:
-        return await asyncio.to_thread(self.store.get_run, run_id)
+        return await self.run(self.store.get_run, run_id)
 
     async def list_runs(self) -> list[Run]:
-        return await asyncio.to_thread(self.store.list_runs)
+        return await self.run(self.store.list_runs)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.store.close)
+        """Close the store (after the calls already queued), then the executor."""
+        if self._closed:
+            return
+        try:
+            await self.run(self.store.close)
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=False)
+
+    def __repr__(self) -> str:
+        return f"AsyncTraceStore({self.store!r})"
 
     async def __aenter__(self) -> Self:
         return self
