@@ -54,6 +54,7 @@ from envport.trace import (
     write_parquet,
 )
 from envport.trace.schema import render_schema
+from tests.support.cli import envport_cli
 
 REPO = Path(__file__).resolve().parents[1]
 WRITER = Path(__file__).parent / "support" / "trace_writer.py"
@@ -639,6 +640,131 @@ def test_unknown_export_format_says_what_to_pass(tmp_path: Path) -> None:
     with store_at(tmp_path) as store, pytest.raises(ValueError, match="format='jsonl'"):
         export_traces(store, tmp_path / "out.csv")
     assert write_jsonl([], tmp_path / "empty.jsonl") == 0
+
+
+# --- the traces command: errors ---------------------------------------------------------
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str], *expected: str) -> str:
+    """Assert ``result`` failed with exit 2 and one ``error:`` line holding ``expected``."""
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda d: d / "nope.jsonl", ("nope.jsonl", "no such file")),
+        (lambda d: (d / "x.txt", (d / "x.txt").write_text("{}\n"))[0], ("cannot tell its format",)),
+        (lambda d: (d / "in", (d / "in").mkdir())[0], ("is not a file",)),
+        (
+            lambda d: (d / "bad.jsonl", (d / "bad.jsonl").write_bytes(b"\xff\xfe{}\n"))[0],
+            ("bad.jsonl:1", "not UTF-8"),
+        ),
+        (
+            lambda d: (d / "bad.jsonl", (d / "bad.jsonl").write_text('{"trace_id": 3}\n'))[0],
+            ("bad.jsonl:1", "not a valid trace"),
+        ),
+    ],
+    ids=["missing", "txt", "directory", "not-utf8", "not-a-trace"],
+)
+def test_traces_import_errors_are_one_line_and_create_no_store(
+    tmp_path: Path, make: Any, expected: tuple[str, ...]
+) -> None:
+    source = make(tmp_path)
+    before = _listing(tmp_path)
+    store = tmp_path / "runs" / "new" / "s.db"
+    result = envport_cli("traces", "import", str(source), "--store", str(store), cwd=tmp_path)
+    _one_error_line(result, *expected)
+    assert not (tmp_path / "runs").exists()  # no store, no folders made for it
+    assert _listing(tmp_path) == before
+
+
+def test_traces_import_error_leaves_an_existing_store_as_it_was(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    with SQLiteTraceStore(db) as store:
+        store.put(Trace(trace_id="kept"))
+    (tmp_path / "bad.jsonl").write_text(Trace(trace_id="new").to_json() + "\nnot json\n")
+    result = envport_cli("traces", "import", "bad.jsonl", "--store", str(db), cwd=tmp_path)
+    _one_error_line(result, "bad.jsonl:2", "not valid JSON")
+    with SQLiteTraceStore(db) as store:
+        assert [t.trace_id for t in store.query()] == ["kept"]
+
+
+def _newer_store(db: Path) -> None:
+    SQLiteTraceStore(db).close()
+    conn = sqlite3.connect(db)
+    with conn:
+        conn.execute("INSERT INTO schema_migrations VALUES (42, 'future', 'now')")
+    conn.close()
+
+
+@pytest.mark.parametrize("command", [["list"], ["runs"], ["show", "t1"], ["export", "o.jsonl"]])
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda db: db.write_text("hello\n"), "is not a usable SQLite trace store"),
+        (_newer_store, "has schema version 42, newer than this envport knows"),
+        (lambda db: db.mkdir(), "is not a trace store file"),
+    ],
+    ids=["not-sqlite", "newer-schema", "directory"],
+)
+def test_traces_commands_on_an_unusable_store_fail_in_one_line(
+    tmp_path: Path, command: list[str], make: Any, expected: str
+) -> None:
+    db = tmp_path / "s.db"
+    make(db)
+    before = _listing(tmp_path)
+    result = envport_cli("traces", *command, "--store", str(db), cwd=tmp_path)
+    _one_error_line(result, expected)
+    assert _listing(tmp_path) == before  # nothing created or changed
+
+
+def test_traces_export_to_a_missing_directory_fails_in_one_line(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    with SQLiteTraceStore(db) as store:
+        store.put(Trace(trace_id="t1", run_id="r1"))
+    for fmt in ("trace", "rows"):
+        args = ["export", "nodir/out.jsonl", "--store", str(db), "--format", fmt]
+        result = envport_cli("traces", *args, cwd=tmp_path)
+        _one_error_line(result, "nodir/out.jsonl", "directory nodir does not exist")
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_a_stored_trace_that_does_not_parse_is_a_one_line_error(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    with SQLiteTraceStore(db) as store:
+        store.put(Trace(trace_id="t1", run_id="r1", created_at=T0))
+        store.put(Trace(trace_id="t2", run_id="r1", created_at=T0 + timedelta(seconds=1)))
+    conn = sqlite3.connect(db)
+    with conn:  # as a newer envport would have written it
+        body = json.loads(Trace(trace_id="t2", run_id="r1").to_json())
+        conn.execute(
+            "UPDATE traces SET body = ? WHERE trace_id = 't2'",
+            (json.dumps({**body, "schema_version": 99}),),
+        )
+    conn.close()
+    expected = ("trace 't2'", "does not parse", "schema_version", "newer than this envport")
+    shown = envport_cli("traces", "show", "t2", "--store", str(db), cwd=tmp_path)
+    _one_error_line(shown, *expected)
+    listed = envport_cli("traces", "list", "--store", str(db), cwd=tmp_path)
+    _one_error_line(listed, *expected)
+    (tmp_path / "out.jsonl").write_text("earlier export\n")
+    exported = envport_cli("traces", "export", "out.jsonl", "--store", str(db), cwd=tmp_path)
+    _one_error_line(exported, "Cannot export to out.jsonl", *expected)
+    # The earlier file is untouched and no partial file is left behind.
+    assert (tmp_path / "out.jsonl").read_text() == "earlier export\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "s.db"]
+    assert envport_cli("traces", "show", "t1", "--store", str(db), cwd=tmp_path).returncode == 0
 
 
 # --- crash safety -----------------------------------------------------------------------

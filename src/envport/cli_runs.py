@@ -296,11 +296,36 @@ traces_app = typer.Typer(help="List, show and export stored traces.", no_args_is
 
 
 def _open(store: Path) -> Any:
-    from envport.trace import SQLiteTraceStore
+    """The existing store at ``store``, or a one-line error (exit 2) saying why not."""
+    from envport.trace import SQLiteTraceStore, TraceStoreError
 
     if not store.exists():
         _fail(f"No trace store at {store}; run `envport eval` first or pass --store.")
-    return SQLiteTraceStore(store)
+    if not store.is_file():
+        _fail(f"{store} is not a trace store file (it is a directory?); pass --store FILE.")
+    try:
+        return SQLiteTraceStore(store)
+    except TraceStoreError as exc:  # not SQLite, a newer schema, locked, unreadable
+        _fail(str(exc))
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix) that replaces it on success.
+
+    A failed export leaves no half-written file and an earlier file untouched."""
+    import os
+
+    if not path.parent.is_dir():
+        _fail(f"Cannot export to {path}: directory {path.parent} does not exist.")
+    if path.is_dir():
+        _fail(f"Cannot export to {path}: it is a directory.")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial{path.suffix}")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @traces_app.command("list")
@@ -325,7 +350,7 @@ def traces_list(
             limit=limit,
             descending=True,
         )
-    except (EnvportError, ValueError) as exc:  # an unknown --status
+    except (EnvportError, ValueError) as exc:  # an unknown --status, a trace that won't parse
         _fail(str(exc))
         return
     finally:
@@ -345,6 +370,8 @@ def traces_runs(store: ExistingStoreOpt = DEFAULT_STORE) -> None:
             counts = db.count_by_status(run_id=run.run_id)
             cells = ", ".join(f"{k.value}: {v}" for k, v in counts.items())
             table.add_row(run.run_id, run.created_at.isoformat(timespec="seconds"), cells)
+    except EnvportError as exc:
+        _fail(str(exc))
     finally:
         db.close()
     out.print(table)
@@ -361,12 +388,11 @@ def traces_show(
 ) -> None:
     """One trace as a readable transcript, model calls with token ids included."""
     from envport.report import transcript
-    from envport.trace import TraceNotFoundError
 
     db = _open(store)
     try:
         trace = db.get(trace_id)
-    except TraceNotFoundError as exc:
+    except EnvportError as exc:  # no such trace, or one that does not parse
         _fail(str(exc))
         return
     finally:
@@ -403,21 +429,34 @@ def traces_export(
         _fail(f"Cannot export to {path}: use a .jsonl or .parquet path.")
     db = _open(store)
     try:
-        if fmt == "trace":
-            from envport.trace import export_traces
+        with _replacing(path) as tmp:
+            if fmt == "trace":
+                from envport.trace import export_traces
 
-            n = export_traces(db, path, run_id=run)
-            out.print(f"wrote {n} traces to {path}")
-            return
-        traces = db.query(run_id=run, limit=None)
+                n = export_traces(db, tmp, run_id=run)
+            else:
+                traces = db.query(run_id=run, limit=None)
+                n = _export_training(traces, tmp, fmt)
+    except (EnvportError, OSError, ImportError) as exc:  # a bad trace, no pyarrow, a full disk
+        _fail(f"Cannot export to {path}: {exc}")
+        return
     finally:
         db.close()
+    if fmt == "trace":
+        out.print(f"wrote {n} traces to {path}")
+    elif fmt == "art":
+        out.print(f"wrote {n} trajectory groups ({len(traces)} traces) to {path}")
+    else:
+        shape = "prime-rl" if fmt == "prime-rl" else "envport"
+        out.print(f"wrote {n} rows ({shape}) to {path}")
+
+
+def _export_training(traces: list[Any], path: Path, fmt: str) -> int:
+    """Write the training data ``fmt`` names, made from ``traces``, to ``path``."""
     from envport import train
 
     if fmt == "art":
-        n = train.write_art_jsonl(traces, path)
-        out.print(f"wrote {n} trajectory groups ({len(traces)} traces) to {path}")
-        return
+        return train.write_art_jsonl(traces, path)
     result = train.build_all(traces)
     rows = train.assign_advantages(result.rows)
     shape: train.export.Shape = "prime-rl" if fmt == "prime-rl" else "envport"
@@ -426,7 +465,7 @@ def traces_export(
     writer = train.write_rows_parquet if path.suffix == ".parquet" else train.write_rows_jsonl
     n = writer(rows, path, shape=shape)
     out.print(train.summary_table(train.summarise([result])))
-    out.print(f"wrote {n} rows ({shape}) to {path}")
+    return n
 
 
 @traces_app.command("import")
@@ -435,18 +474,52 @@ def traces_import(
     store: StoreOpt = DEFAULT_STORE,
 ) -> None:
     """Import traces from JSONL or Parquet into the store."""
-    from envport.trace import SQLiteTraceStore, TraceFormatError, import_traces
+    from envport.trace import SQLiteTraceStore, TraceStoreError, import_traces
+    from envport.trace.export import format_of
 
-    store.parent.mkdir(parents=True, exist_ok=True)
-    db = SQLiteTraceStore(store)
+    # Everything about the input that can be checked is, before the store is touched.
+    if not path.exists():
+        _fail(f"Cannot import {path}: no such file.")
+    if not path.is_file():
+        _fail(f"Cannot import {path}: it is not a file.")
     try:
-        n = import_traces(db, path)
-    except TraceFormatError as exc:
+        format_of(path)
+    except ValueError:
+        _fail(f"Cannot import {path}: cannot tell its format; use a .jsonl or .parquet file.")
+    if store.is_dir():
+        _fail(f"{store} is not a trace store file (it is a directory); pass --store FILE.")
+    created = [p for p in (store, *store.parents) if not p.exists()]  # removed on failure
+    store.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        db = SQLiteTraceStore(store)
+    except TraceStoreError as exc:
+        _undo(created)
         _fail(str(exc))
         return
-    finally:
+    try:
+        n = import_traces(db, path)
+    except (EnvportError, OSError, ImportError) as exc:  # a bad record, no pyarrow, I/O
         db.close()
+        _undo(created)
+        _fail(str(exc))
+        return
+    db.close()
     out.print(f"imported {n} traces into {store}")
+
+
+def _undo(created: list[Path]) -> None:
+    """Remove a store (with its WAL files) and folders that a failed import created."""
+    if not created:
+        return
+    store = created[0]
+    for p in (store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm")):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+    for folder in created[1:]:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def gateway_command(

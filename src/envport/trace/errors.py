@@ -14,7 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from envport.errors import EnvportError
+
+
+def short_validation_error(exc: ValidationError) -> str:
+    """A pydantic error on one line: the first problem's field and message, and a count."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(trace)"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
 
 
 class TraceStoreError(EnvportError):

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from envport.trace.errors import TraceFormatError
+from envport.trace.errors import TraceFormatError, short_validation_error
 from envport.trace.model import Trace
 from envport.trace.store import StatusFilter, TraceStore
 
@@ -44,13 +44,6 @@ PARQUET_COLUMNS = (
 )
 
 
-def _short(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "(trace)"
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
-
-
 # --- JSONL ------------------------------------------------------------------------------
 
 
@@ -68,8 +61,14 @@ def write_jsonl(traces: Iterable[Trace], path: str | Path) -> int:
 def read_jsonl(path: str | Path) -> Iterator[Trace]:
     """Yield each trace in ``path``. Blank lines are skipped; anything else that is not
     a valid trace raises :class:`TraceFormatError` naming its line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:  # line by line, so a byte that is not UTF-8 is reported with its line
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceFormatError(
+                    f"line is not UTF-8 text: {exc}", location=f"{path}:{lineno}", line=lineno
+                ) from exc
             if not line.strip():
                 continue
             try:
@@ -78,7 +77,7 @@ def read_jsonl(path: str | Path) -> Iterator[Trace]:
                 if exc.errors()[0]["type"] == "json_invalid":
                     detail = f"line is not valid JSON: {exc.errors()[0]['msg']}"
                 else:
-                    detail = f"line is not a valid trace: {_short(exc)}"
+                    detail = f"line is not a valid trace: {short_validation_error(exc)}"
                 raise TraceFormatError(detail, location=f"{path}:{lineno}", line=lineno) from exc
 
 
@@ -173,7 +172,7 @@ def read_parquet(path: str | Path) -> Iterator[Trace]:
                 yield Trace.model_validate_json(body)
             except ValidationError as exc:
                 raise TraceFormatError(
-                    f"body is not a valid trace: {_short(exc)}",
+                    f"body is not a valid trace: {short_validation_error(exc)}",
                     location=f"{path}:row {row}",
                     row=row,
                 ) from exc
@@ -183,7 +182,8 @@ def read_parquet(path: str | Path) -> Iterator[Trace]:
 # --- store <-> file ---------------------------------------------------------------------
 
 
-def _format(path: str | Path, fmt: Format | None) -> Format:
+def format_of(path: str | Path, fmt: Format | None = None) -> Format:
+    """``fmt``, or the format ``path``'s suffix names; ``ValueError`` if it names none."""
     if fmt is not None:
         return fmt
     suffix = Path(path).suffix.lower()
@@ -205,7 +205,7 @@ def export_traces(
 ) -> int:
     """Write the store's matching traces to ``path`` (format from the suffix)."""
     traces = store.iter_traces(run_id=run_id, task_id=task_id, status=status)
-    if _format(path, format) == "jsonl":
+    if format_of(path, format) == "jsonl":
         return write_jsonl(traces, path)
     return write_parquet(traces, path)
 
@@ -218,7 +218,7 @@ def import_traces(
     The file is validated in full first, so a bad record (reported as a
     :class:`TraceFormatError` naming its line or row) leaves the store untouched.
     """
-    fmt = _format(path, format)
+    fmt = format_of(path, format)
 
     def reader() -> Iterator[Trace]:
         return read_jsonl(path) if fmt == "jsonl" else read_parquet(path)

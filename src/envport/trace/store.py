@@ -52,7 +52,12 @@ from typing import Any, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from envport.trace.errors import TraceNotFoundError, TraceStoreError, TraceStoreLockedError
+from envport.trace.errors import (
+    TraceNotFoundError,
+    TraceStoreError,
+    TraceStoreLockedError,
+    short_validation_error,
+)
 from envport.trace.model import Run, Trace, TraceStatus
 
 StatusFilter = TraceStatus | str | Sequence[TraceStatus | str] | None
@@ -571,7 +576,7 @@ class SQLiteTraceStore:
             return Trace.model_validate_json(body)
         except ValidationError as exc:
             raise TraceStoreError(
-                f"trace {trace_id!r} in {self.path!r} does not parse: {exc}"
+                f"trace {trace_id!r} in {self.path!r} does not parse: {short_validation_error(exc)}"
             ) from exc
 
     @staticmethod
