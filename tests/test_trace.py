@@ -275,6 +275,69 @@ def test_serialised_traces_validate_against_the_published_schema() -> None:
         jsonschema.Draft202012Validator(schema).validate(bad)
 
 
+def _non_finite_trace() -> Trace:
+    """A trace with an infinity or a NaN in every float field, typed or free-form."""
+    inf, nan = float("inf"), float("nan")
+    return Trace(
+        trace_id="nf",
+        timings={"rollout": inf, "scoring": nan},
+        metrics={"m": nan},
+        rewards=[Reward(name="r", value=1.0, weight=inf)],
+        model_calls=[
+            ModelCall(
+                model="m",
+                sampling=SamplingParams(temperature=inf, top_p=nan, repetition_penalty=-inf),
+                latency_s=inf,
+                ttft_s=inf,
+            )
+        ],
+        steps=[StepRecord(index=0, reward=nan, latency_s=inf, observation={"v": -inf})],
+        metadata={"score": nan, "big": inf},
+    )
+
+
+def test_non_finite_floats_round_trip_and_match_the_published_schema(tmp_path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "docs" / "trace.schema.json").read_text(encoding="utf-8"))
+    trace = _non_finite_trace()
+    text = trace.to_json()
+    data = json.loads(text)  # strict JSON
+    jsonschema.Draft202012Validator(schema).validate(data)  # timings' "Infinity" was refused
+    with SQLiteTraceStore(tmp_path / "s.db") as store:
+        store.put(trace)
+        stored = store.get("nf")
+    for back in (Trace.from_json(text), stored):
+        # Every typed float field gives back the float.
+        assert back.timings["rollout"] == math.inf
+        assert math.isnan(back.timings["scoring"])
+        assert math.isnan(back.metrics["m"])
+        assert back.rewards[0].weight == math.inf
+        call = back.model_calls[0]
+        assert call.sampling.temperature == math.inf
+        assert call.sampling.top_p is not None
+        assert math.isnan(call.sampling.top_p)
+        assert call.sampling.repetition_penalty == -math.inf
+        assert call.latency_s == call.ttft_s == back.steps[0].latency_s == math.inf
+        assert back.steps[0].reward is not None
+        assert math.isnan(back.steps[0].reward)
+        # Free-form JSON has no float type to restore: documented, they read back as strings.
+        assert back.metadata == {"score": "NaN", "big": "Infinity"}
+        assert back.steps[0].observation == {"v": "-Infinity"}
+
+
+def test_latencies_stay_non_negative_in_model_and_schema() -> None:
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        ModelCall(model="m", latency_s=-1.0)
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        StepRecord(index=0, latency_s=float("nan"))
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "docs" / "trace.schema.json").read_text(encoding="utf-8"))
+    data = json.loads(Trace(model_calls=[ModelCall(model="m", latency_s=1.0)]).to_json())
+    data["model_calls"][0]["latency_s"] = -1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(schema).validate(data)
+
+
 # --- the store --------------------------------------------------------------------------
 
 

@@ -25,8 +25,17 @@ One versioned pydantic model, :class:`Trace`, whose JSON Schema is published at
 * **timings** — seconds spent per stage (``"setup"``, ``"rollout"``, ``"scoring"`` …).
 
 Logprobs may be ``-inf``; JSON has no infinities, so they serialise as the strings
-``"-Infinity"``/``"Infinity"``/``"NaN"`` and parse back to floats. Serialise with
-``model_dump_json`` (or :meth:`Trace.to_json`), not ``json.dumps(model_dump())``.
+``"-Infinity"``/``"Infinity"``/``"NaN"`` and parse back to floats. Every float field of
+the model is typed so (:data:`JSONFloat`, :data:`JSONSeconds`), and the published schema
+accepts those strings there. Serialise with ``model_dump_json`` (or
+:meth:`Trace.to_json`), not ``json.dumps(model_dump())``.
+
+Free-form JSON fields (``metadata``, ``info``, a step's ``action`` and ``observation``, a
+model call's ``request`` and ``response``, tool ``arguments``, a run's ``config``) have no
+float type to restore: a non-finite float in them is written as the same string and
+reads back as that string (``float("nan")`` in ``metadata`` comes back as ``"NaN"``).
+Traces are never refused for it (a failed rollout's data is kept), and what was stored
+stays readable; put a non-finite number that must stay a number in ``metrics``.
 """
 
 from __future__ import annotations
@@ -57,6 +66,14 @@ SCHEMA_VERSION = 1
 JSONFloat = Annotated[
     float,
     WithJsonSchema({"anyOf": [{"type": "number"}, {"enum": ["-Infinity", "Infinity", "NaN"]}]}),
+]
+
+
+#: Seconds (a latency): ``>= 0``, possibly infinite, which travels as ``"Infinity"``.
+JSONSeconds = Annotated[
+    float,
+    Field(ge=0),
+    WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0}, {"const": "Infinity"}]}),
 ]
 
 
@@ -188,17 +205,17 @@ class ForkRef(_Model):
 class SamplingParams(_OpenModel):
     """Sampling parameters sent with a model call. Provider-specific ones are kept."""
 
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: JSONFloat | None = None
+    top_p: JSONFloat | None = None
     top_k: int | None = None
-    min_p: float | None = None
+    min_p: JSONFloat | None = None
     max_tokens: int | None = None
     stop: list[str] | None = None
     seed: int | None = None
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: JSONFloat | None = None
+    frequency_penalty: JSONFloat | None = None
+    repetition_penalty: JSONFloat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -275,8 +292,8 @@ class ModelCall(_Model):
     prompt_token_ids: list[int] | None = None
     usage: Usage | None = None
     started_at: datetime | None = None
-    latency_s: float | None = Field(default=None, ge=0)
-    ttft_s: float | None = Field(default=None, ge=0, description="Time to first token (stream).")
+    latency_s: JSONSeconds | None = None
+    ttft_s: JSONSeconds | None = Field(default=None, description="Time to first token (stream).")
     streamed: bool = False
     attempts: int = Field(default=1, ge=1, description="Tries the gateway made (1 = no retry).")
     policy_version: int | str | None = None
@@ -304,7 +321,7 @@ class StepRecord(_Model):
     terminated: bool = False
     truncated: bool = False
     started_at: datetime | None = None
-    latency_s: float | None = Field(default=None, ge=0)
+    latency_s: JSONSeconds | None = None
     error: TraceError | None = None
     info: dict[str, Any] = Field(default_factory=dict)
 
@@ -318,7 +335,7 @@ class Reward(_Model):
 
     name: str
     value: JSONFloat
-    weight: float = 1.0
+    weight: JSONFloat = 1.0
     step_index: int | None = Field(default=None, ge=0, description="Set for a step reward.")
     reason: str | None = Field(default=None, description="Why (judge rationale, failed test).")
 
@@ -411,7 +428,9 @@ class Trace(_Model):
     )
     metrics: dict[str, JSONFloat] = Field(default_factory=dict)
     errors: list[TraceError] = Field(default_factory=list)
-    timings: dict[str, float] = Field(default_factory=dict, description="Seconds spent per stage.")
+    timings: dict[str, JSONFloat] = Field(
+        default_factory=dict, description="Seconds spent per stage."
+    )
     created_at: datetime = Field(default_factory=_now)
     started_at: datetime | None = None
     finished_at: datetime | None = None
