@@ -479,6 +479,36 @@ def test_store_runs(tmp_path: Path) -> None:
             store.get_run("exp-3")
 
 
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), float("-inf")])
+def test_store_refuses_a_non_finite_reward(tmp_path: Path, reward: float) -> None:
+    # A NaN reward was stored as NULL and then counted as unscored.
+    with store_at(tmp_path) as store:
+        with pytest.raises(ValueError, match=r"reward must be a finite number, or None"):
+            store.put(Trace(trace_id="bad", run_id="r", reward=reward))
+        batch = [Trace(trace_id="ok", run_id="r", reward=1.0), Trace(trace_id="bad", reward=reward)]
+        with pytest.raises(ValueError, match="'bad' has reward"):
+            store.put_many(batch)
+        assert store.count() == 0  # the whole batch was refused
+        store.put(Trace(trace_id="unscored", run_id="r", reward=None))
+        store.put(Trace(trace_id="scored", run_id="r", reward=0.0))
+        assert store.count(min_reward=0.0) == 1
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_import_refuses_a_non_finite_reward_naming_the_record(tmp_path: Path, suffix: str) -> None:
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow")
+    path = tmp_path / f"in{suffix}"
+    traces = [Trace(trace_id="ok", reward=1.0), Trace(trace_id="bad", reward=float("nan"))]
+    (write_jsonl if suffix == ".jsonl" else write_parquet)(traces, path)
+    where = f"{path}:2" if suffix == ".jsonl" else f"{path}:row 1"
+    with store_at(tmp_path) as store:
+        with pytest.raises(TraceFormatError, match="'bad' has reward nan") as info:
+            import_traces(store, path)
+        assert info.value.location == where
+        assert store.count() == 0
+
+
 def test_concurrent_writers_from_threads_and_two_connections(tmp_path: Path) -> None:
     shared = store_at(tmp_path)
     other = store_at(tmp_path)  # a second connection to the same file

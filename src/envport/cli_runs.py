@@ -498,7 +498,7 @@ def traces_import(
         return
     try:
         n = import_traces(db, path)
-    except (EnvportError, OSError, ImportError) as exc:  # a bad record, no pyarrow, I/O
+    except (EnvportError, ValueError, OSError, ImportError) as exc:  # a bad record, I/O
         db.close()
         _undo(created)
         _fail(str(exc))

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from envport.trace.errors import TraceFormatError, short_validation_error
 from envport.trace.model import Trace
-from envport.trace.store import StatusFilter, TraceStore
+from envport.trace.store import StatusFilter, TraceStore, check_reward
 
 Format = Literal["jsonl", "parquet"]
 
@@ -61,24 +61,32 @@ def write_jsonl(traces: Iterable[Trace], path: str | Path) -> int:
 def read_jsonl(path: str | Path) -> Iterator[Trace]:
     """Yield each trace in ``path``. Blank lines are skipped; anything else that is not
     a valid trace raises :class:`TraceFormatError` naming its line."""
+    for _where, trace in _jsonl_records(path):
+        yield trace
+
+
+def _jsonl_records(path: str | Path) -> Iterator[tuple[dict[str, Any], Trace]]:
+    """Each trace of a JSONL file, with where it is (for errors found later)."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            location = f"{path}:{lineno}"
             try:  # line by line, so a byte that is not UTF-8 is reported with its line
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise TraceFormatError(
-                    f"line is not UTF-8 text: {exc}", location=f"{path}:{lineno}", line=lineno
+                    f"line is not UTF-8 text: {exc}", location=location, line=lineno
                 ) from exc
             if not line.strip():
                 continue
             try:
-                yield Trace.model_validate_json(line)
+                trace = Trace.model_validate_json(line)
             except ValidationError as exc:
                 if exc.errors()[0]["type"] == "json_invalid":
                     detail = f"line is not valid JSON: {exc.errors()[0]['msg']}"
                 else:
                     detail = f"line is not a valid trace: {short_validation_error(exc)}"
-                raise TraceFormatError(detail, location=f"{path}:{lineno}", line=lineno) from exc
+                raise TraceFormatError(detail, location=location, line=lineno) from exc
+            yield {"location": location, "line": lineno}, trace
 
 
 # --- Parquet ----------------------------------------------------------------------------
@@ -153,6 +161,12 @@ def write_parquet(traces: Iterable[Trace], path: str | Path, *, row_group_size: 
 
 def read_parquet(path: str | Path) -> Iterator[Trace]:
     """Yield each trace of a Parquet file written by :func:`write_parquet`."""
+    for _where, trace in _parquet_records(path):
+        yield trace
+
+
+def _parquet_records(path: str | Path) -> Iterator[tuple[dict[str, Any], Trace]]:
+    """Each trace of a Parquet file, with where it is (for errors found later)."""
     _pa, pq = _pyarrow()
     try:
         pf = pq.ParquetFile(str(path))
@@ -166,16 +180,18 @@ def read_parquet(path: str | Path) -> Iterator[Trace]:
     row = 0
     for batch in pf.iter_batches(columns=["body"]):
         for body in batch.column(0).to_pylist():
+            location = f"{path}:row {row}"
             if body is None:
-                raise TraceFormatError("row has no body", location=f"{path}:row {row}", row=row)
+                raise TraceFormatError("row has no body", location=location, row=row)
             try:
-                yield Trace.model_validate_json(body)
+                trace = Trace.model_validate_json(body)
             except ValidationError as exc:
                 raise TraceFormatError(
                     f"body is not a valid trace: {short_validation_error(exc)}",
-                    location=f"{path}:row {row}",
+                    location=location,
                     row=row,
                 ) from exc
+            yield {"location": location, "row": row}, trace
             row += 1
 
 
@@ -216,15 +232,20 @@ def import_traces(
     """Upsert every trace of ``path`` into ``store``; returns how many.
 
     The file is validated in full first, so a bad record (reported as a
-    :class:`TraceFormatError` naming its line or row) leaves the store untouched.
+    :class:`TraceFormatError` naming its line or row) leaves the store untouched; a
+    trace whose reward is not finite, which no store takes, is such a record.
     """
     fmt = format_of(path, format)
 
     def reader() -> Iterator[Trace]:
         return read_jsonl(path) if fmt == "jsonl" else read_parquet(path)
 
-    for _ in reader():  # validate everything before writing anything
-        pass
+    records = _jsonl_records(path) if fmt == "jsonl" else _parquet_records(path)
+    for where, trace in records:  # validate everything before writing anything
+        try:
+            check_reward(trace)
+        except ValueError as exc:
+            raise TraceFormatError(str(exc), **where) from exc
     n = 0
     batch: list[Trace] = []
     for trace in reader():

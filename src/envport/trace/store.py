@@ -39,6 +39,7 @@ import asyncio
 import contextvars
 import functools
 import json
+import math
 import random
 import sqlite3
 import threading
@@ -74,7 +75,10 @@ class TraceStore(Protocol):
     """
 
     def put(self, trace: Trace) -> None:
-        """Insert or replace one trace (and create its run if unknown)."""
+        """Insert or replace one trace (and create its run if unknown).
+
+        A ``reward`` that is not finite (NaN, ±inf) is refused with ``ValueError``: the
+        reward is a finite number, or ``None`` when the trace was not scored."""
         ...
 
     def put_many(self, traces: Iterable[Trace]) -> int:
@@ -331,6 +335,20 @@ class StaleStateError(TraceStoreError):
     """A compare-and-set on a rollout's state lost: someone else moved it first."""
 
 
+def check_reward(trace: Trace) -> None:
+    """``ValueError`` unless the trace's reward is a finite number or ``None``.
+
+    A NaN reward would be stored as SQL NULL (SQLite has no NaN) and then count as
+    unscored; an infinite one would dominate every mean. Reward functions already refuse
+    non-finite scores (:mod:`envport.rubrics`); the store refuses them from anywhere else.
+    """
+    if trace.reward is not None and not math.isfinite(trace.reward):
+        raise ValueError(
+            f"trace {trace.trace_id!r} has reward {trace.reward}; a trace's reward must be a "
+            "finite number, or None when it was not scored"
+        )
+
+
 def _is_locked(exc: sqlite3.OperationalError) -> bool:
     """Whether ``exc`` is SQLite's SQLITE_BUSY or SQLITE_LOCKED (any extended code)."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -581,6 +599,7 @@ class SQLiteTraceStore:
 
     @staticmethod
     def _upsert(conn: sqlite3.Connection, trace: Trace) -> None:
+        check_reward(trace)
         now = _ts(datetime.now(UTC))
         if trace.run_id is not None:
             conn.execute(
