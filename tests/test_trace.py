@@ -148,6 +148,10 @@ def full_trace(i: int = 0, **fields: object) -> Trace:
         Reward(name="format", value=0.5, weight=0.2, reason="ok"),
     ]
     trace.reward = trace.weighted_reward()
+    assert trace.reward == pytest.approx(0.9)
+    trace.rewards.append(Reward(name="step", value=5.0, step_index=0))  # a step's own
+    assert trace.weighted_reward() == pytest.approx(0.9)
+    trace.rewards.pop()
     trace.errors.append(
         TraceError(kind=ErrorKind.SANDBOX, message="slow", where="sandbox", retryable=True)
     )

@@ -519,7 +519,9 @@ class Controller:
                     raise result
 
     async def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        # On the store's own executor: the loop's default one is shared with every
+        # asyncio.to_thread user, and work stuck there must not stall rollout state.
+        return await self.store.run(fn, *args, **kwargs)
 
     async def _recover(self) -> None:
         """Requeue what a previous controller of this run left in flight; re-adopt."""

@@ -527,10 +527,12 @@ class Trace(_Model):
     # --- scoring ----------------------------------------------------------------------
 
     def weighted_reward(self) -> float | None:
-        """Weighted sum of the named rewards; ``None`` when there are none."""
-        if not self.rewards:
+        """Weighted sum of the run's named rewards; ``None`` when there are none. Step
+        rewards (a ``step_index``) are the steps' own, kept apart from the run's total."""
+        run = [r for r in self.rewards if r.step_index is None]
+        if not run:
             return None
-        return sum(r.weight * r.value for r in self.rewards)
+        return sum(r.weight * r.value for r in run)
 
     def step_rewards(self) -> list[tuple[int, float]]:
         """``(step index, reward)`` for each step that has one, in step order."""
