@@ -181,6 +181,26 @@ def test_verl_fields_cut_long_responses_and_prompts_and_mask_missing_rows() -> N
     assert failed["extra_fields"]["envport_status"] == "failed"
 
 
+def test_verl_logprobs_are_all_lists_when_asked_and_all_none_when_not() -> None:
+    """verl concatenates every output's logprobs when the batch's first has them: a
+    stand-in or a row without logprobs must not be None next to rows that have them."""
+    batch = [
+        rollout(status=TraceStatus.FAILED),
+        rollout(row(6, logprobs=False)),
+        rollout(row(6)),
+    ]
+    asked = [output_fields(r, pad_id=256, logprobs=True) for r in batch]
+    assert [f["response_logprobs"] for f in asked] == [
+        [0.0],
+        [0.0] * 6,
+        [-0.25, -0.25, 0.0, 0.0, -0.25, -0.25],
+    ]
+    assert "missing_logprobs" in asked[1]["extra_fields"]["envport_labels"]
+    assert "missing_logprobs" not in asked[2]["extra_fields"]["envport_labels"]
+    not_asked = [output_fields(r, pad_id=256, logprobs=False) for r in batch]
+    assert [f["response_logprobs"] for f in not_asked] == [None, None, None]
+
+
 def test_verl_dataset_rows_round_trip_their_task() -> None:
     tasks = list(load("builtin:guess-number").head(2))
     rows = verl_dataset(tasks)

@@ -228,7 +228,7 @@ async def check_verl() -> dict[str, Any]:
             trajectory = {"step": 0, "sample_index": i, "rollout_n": 0, "validate": False}
             before = len(GuessEngine.calls)
             internal = await worker._run_agent_loop(
-                {"temperature": 1.0}, trajectory, agent_name="envport", **kwargs
+                {"temperature": 1.0, "logprobs": True}, trajectory, agent_name="envport", **kwargs
             )
             outputs.append(internal)
             calls = GuessEngine.calls[before:]
@@ -265,7 +265,16 @@ async def check_verl() -> dict[str, Any]:
                     "position_ids_shape": list(internal.position_ids.shape),
                 }
             )
-    batch = worker._postprocess(outputs)
+    # A rollout whose engine fails, first in the batch: verl batches rollout_log_probs
+    # from the first output's and concatenates everyone's, so its stand-in needs them too.
+    failed = await _verl_failed_output(worker, ServerManager, tokenizer, rows[0])
+    report["failed"] = {
+        "status": failed.extra_fields.get("envport_status"),
+        "reward_score": failed.reward_score,
+        "mask_sum": int(failed.response_mask.sum()),
+        "has_logprobs": failed.response_logprobs is not None,
+    }
+    batch = worker._postprocess([failed, *outputs])
     report["cases"] = cases
     report["batch_keys"] = sorted(batch.batch.keys())
     report["batch_size"] = len(batch)
@@ -273,6 +282,21 @@ async def check_verl() -> dict[str, Any]:
     report["num_turns"] = batch.non_tensor_batch["__num_turns__"].tolist()
     report["bad_row"] = await _verl_bad_row(worker, ServerManager, tokenizer)
     return report
+
+
+async def _verl_failed_output(worker: Any, server_cls: Any, tokenizer: Any, row: Any) -> Any:
+    """verl's post-processed output of a rollout whose every model call fails."""
+
+    class Down(server_cls):  # type: ignore[misc,valid-type]
+        async def generate(self, request_id: str, **_: Any) -> Any:
+            raise RuntimeError("engine down")
+
+    worker.llm_client = Down(GuessEngine(tokenizer))
+    trajectory = {"step": 0, "sample_index": 9, "rollout_n": 0, "validate": False}
+    kwargs = {"raw_prompt": row["prompt"], "extra_info": row["extra_info"], "index": 9}
+    return await worker._run_agent_loop(
+        {"temperature": 1.0, "logprobs": True}, trajectory, agent_name="envport", **kwargs
+    )
 
 
 async def _verl_bad_row(worker: Any, server_cls: Any, tokenizer: Any) -> dict[str, Any]:
@@ -441,10 +465,23 @@ else:
             assert case["reward_score"] == 1.0
             assert case["status"] == "completed"
             assert case["raw_prompt_kept"]
-        assert verl["batch_size"] == len(verl["cases"])
+        assert verl["batch_size"] == len(verl["cases"]) + 1  # and the failed rollout
         for key in ("prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores"):
             assert key in verl["batch_keys"]
         assert verl["rm_scores_sum"] == sum(c["reward_score"] for c in verl["cases"])
+
+    @pytest.mark.timeout(300)
+    def test_verl_batches_a_failed_rollout_beside_scored_ones(report: dict[str, Any]) -> None:
+        """A failed rollout first in the batch used to have no logprobs while the others
+        had them: verl's _postprocess then failed to concatenate rollout_log_probs."""
+        failed = report["verl"]["failed"]
+        assert failed == {
+            "status": "failed",
+            "reward_score": 0.0,
+            "mask_sum": 0,
+            "has_logprobs": True,
+        }
+        assert "rollout_log_probs" in report["verl"]["batch_keys"]
 
     @pytest.mark.timeout(300)
     def test_verl_unmergeable_rollout_stays_split_with_its_label(report: dict[str, Any]) -> None:

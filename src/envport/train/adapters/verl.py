@@ -8,9 +8,9 @@ template), generated token-in/token-out through verl's ``server_manager.generate
 environment, and the run is scored by the env and the task's rubric. The trace then
 becomes one token-exact row (:mod:`envport.train.rows`), and the row becomes the
 ``AgentLoopOutput``: ``prompt_ids``, ``response_ids``, ``response_mask`` (0 on tool
-results and template tokens), ``response_logprobs`` (as the server returned them),
-``reward_score`` (the run's reward), ``num_turns`` (messages after the system prompt)
-and ``metrics`` (model and tool time).
+results and template tokens), ``response_logprobs`` (as the server returned them, when
+verl asks for them), ``reward_score`` (the run's reward), ``num_turns`` (messages after
+the system prompt) and ``metrics`` (model and tool time).
 
 **Plugging it in.** Build the dataset with :func:`verl_dataset` (each row carries its
 task as JSON in ``extra_info.envport_task`` and ``agent_name: envport``), and point
@@ -54,7 +54,7 @@ from envport.train.adapters._common import (
     TokenChatModel,
 )
 from envport.train.adapters.trl import task_messages
-from envport.train.rows import TrainingRow, _cut
+from envport.train.rows import MISSING_LOGPROBS, TrainingRow, _cut
 
 AGENT_NAME = "envport"
 
@@ -104,8 +104,15 @@ def output_fields(
     prompt_length: int | None = None,
     response_length: int | None = None,
     pad_id: int = 0,
+    logprobs: bool = True,
 ) -> dict[str, Any]:
     """Keyword arguments of verl's ``AgentLoopOutput`` (all but ``metrics``) for a rollout.
+
+    ``logprobs`` says whether verl asked for them (``sampling_params["logprobs"]``, i.e.
+    ``rollout.calculate_log_probs``): verl batches ``response_logprobs`` only when the
+    batch's first output has them and then concatenates every output's, so all outputs
+    must agree. Asked, every output has a list: a stand-in's and a row without logprobs
+    (labelled ``missing_logprobs``) are 0.0 per token; not asked, every output has ``None``.
 
     verl pads prompts to ``rollout.prompt_length`` and responses to ``response_length``
     and cannot hold longer ones: a longer response is cut at the last sampled token that
@@ -129,6 +136,9 @@ def output_fields(
         "envport_num_fragments": len(rollout.result.rows),
         "envport_labels": [] if row is None else list(row.labels),
     }
+    labels = extra["envport_labels"]
+    if logprobs and row is not None and row.logprobs is None and MISSING_LOGPROBS not in labels:
+        labels.append(MISSING_LOGPROBS)
     if row is None:
         first = next((c.prompt_token_ids for c in trace.model_calls if c.prompt_token_ids), None)
         prompt = list(first or [pad_id])
@@ -138,7 +148,7 @@ def output_fields(
             "prompt_ids": prompt,
             "response_ids": [pad_id],
             "response_mask": [0],
-            "response_logprobs": None,
+            "response_logprobs": [0.0] if logprobs else None,
             "reward_score": 0.0,
             "num_turns": 0,
             "extra_fields": extra,
@@ -147,11 +157,17 @@ def output_fields(
         "prompt_ids": list(row.prompt_ids[prompt_cut:]),
         "response_ids": list(row.completion_ids),
         "response_mask": list(row.mask),
-        "response_logprobs": None if row.logprobs is None else list(row.logprobs),
+        "response_logprobs": _logprobs(row) if logprobs else None,
         "reward_score": row.reward,
         "num_turns": sum(1 for m in trace.messages if m.role != "system"),
         "extra_fields": extra,
     }
+
+
+def _logprobs(row: TrainingRow) -> list[float]:
+    if row.logprobs is None:
+        return [0.0] * len(row.completion_ids)
+    return list(row.logprobs)
 
 
 class _EnvportAgentLoop:
@@ -218,6 +234,7 @@ class _EnvportAgentLoop:
             prompt_length=_config_int(self.rollout_config, "prompt_length"),
             response_length=response_length,
             pad_id=int(pad) if pad is not None else 0,
+            logprobs=bool(sampling_params.get("logprobs")),
         )
         trace = rollout.trace
         metrics = AgentLoopMetrics(
