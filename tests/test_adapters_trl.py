@@ -204,8 +204,46 @@ def test_rollout_output_keeps_labels_masks_and_stands_in_for_missing_rows() -> N
     assert out["logprobs"] == [[-0.5, 0.0, -0.5], [-0.5, -0.5], [0.0]]
     for key in ("prompt_ids", "completion_ids", "env_mask", "logprobs"):
         assert len(out[key]) == 3
-    # One row without logprobs: TRL gets None for the batch (never misaligned lists).
-    assert rollout_output([row([1]), row([1], logprobs=False)])["logprobs"] is None
+    # One row without logprobs: None per token for that row alone (TRL: NaN, no
+    # correction), never None for the batch, never a misaligned list.
+    mixed = rollout_output([row([1]), row([1, 0, 1], logprobs=False), None])
+    assert mixed["logprobs"] == [[-0.5], [None, None, None], [0.0]]
+
+
+@pytest.mark.timeout(180)  # a real trainer: heavy imports on a shared 2-core machine
+def test_a_row_without_logprobs_goes_through_trls_vllm_correction(tmp_path: Path) -> None:
+    """With use_vllm=True TRL corrects for the sampler with the rows' logprobs; the batch's
+    logprobs used to be None as soon as one row had none, and TRL then failed on
+    ``old_per_token_logps - None``. Now that row's tokens get no correction (ratio 1)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    tok = byte_tokenizer()
+
+    def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        rows = [row([1, 1, 1]), row([1, 1, 1], logprobs=False), row([1, 0, 1]), None]
+        for r in rows[:3]:
+            assert r is not None
+            r.completion_ids = [65, 66, SPECIAL["<|im_end|>"]]
+            r.prompt_ids = [72, 105]
+        return rollout_output(rows[: len(prompts)], pad_id=SPECIAL["<|endoftext|>"])
+
+    trainer = GRPOTrainer(
+        model=tiny_model(len(tok)),
+        processing_class=tok,
+        reward_funcs=[env_reward],
+        args=grpo_config(tmp_path, max_completion_length=64),
+        train_dataset=Dataset.from_list([{"prompt": "Hi"}] * 4),
+        rollout_func=rollout_func,
+    )
+    assert trainer.vllm_importance_sampling_correction
+    # What __init__ sets up with use_vllm=True (vLLM itself is not installed here).
+    trainer.use_vllm = True
+    trainer._last_loaded_step = trainer.state.global_step
+    out = trainer._generate_and_score_completions([{"prompt": "Hi"}] * 4)
+    ratio = out["importance_sampling_ratio"]
+    assert not ratio.isnan().any()
+    assert (ratio[1] == 1.0).all()  # the row without logprobs: no correction
 
 
 def test_tasks_sharing_a_prompt_take_turns_one_per_call(model_url: str) -> None:

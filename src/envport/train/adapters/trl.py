@@ -105,8 +105,10 @@ def tasks_dataset(tasks: Iterable[Task]) -> list[dict[str, Any]]:
 def rollout_output(rows: Sequence[TrainingRow | None], *, pad_id: int = 0) -> dict[str, list[Any]]:
     """TRL's ``rollout_func`` output for one row per prompt (``None``: a masked stand-in).
 
-    ``logprobs`` is a list per row (0.0 where the mask is 0), or ``None`` for the whole
-    batch when a row has none (TRL then recomputes them).
+    ``logprobs`` is a list per row (0.0 where the mask is 0), never ``None`` for the
+    batch: a row without logprobs gets ``None`` per token, which TRL (1.16) reads as NaN,
+    "not scored by the sampler", and leaves out of its importance-sampling correction and
+    off-policy mask; ``None`` for the batch made TRL with ``use_vllm=True`` fail.
     """
     out: dict[str, Any] = {
         k: []
@@ -121,7 +123,7 @@ def rollout_output(rows: Sequence[TrainingRow | None], *, pad_id: int = 0) -> di
             "trace_id",
         )
     }
-    logprobs: list[list[float]] | None = []
+    logprobs: list[list[float | None]] = []
     for row in rows:
         if row is None:
             out["prompt_ids"].append([pad_id])
@@ -132,8 +134,7 @@ def rollout_output(rows: Sequence[TrainingRow | None], *, pad_id: int = 0) -> di
             out["num_fragments"].append(0)
             out["num_turns"].append(0)
             out["trace_id"].append(None)
-            if logprobs is not None:
-                logprobs.append([0.0])
+            logprobs.append([0.0])
             continue
         out["prompt_ids"].append(list(row.prompt_ids))
         out["completion_ids"].append(list(row.completion_ids))
@@ -143,10 +144,10 @@ def rollout_output(rows: Sequence[TrainingRow | None], *, pad_id: int = 0) -> di
         out["num_fragments"].append(row.num_fragments)
         out["num_turns"].append(row.num_turns)
         out["trace_id"].append(row.trace_id)
-        if logprobs is not None and row.logprobs is not None:
+        if row.logprobs is not None:
             logprobs.append(list(row.logprobs))
         else:
-            logprobs = None
+            logprobs.append([None] * len(row.completion_ids))
     out["logprobs"] = logprobs
     return out
 
