@@ -8,6 +8,8 @@ that gave no row, split rollouts, a token engine that misbehaves.
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections import Counter
 from typing import Any
 
@@ -25,7 +27,7 @@ from envport.train.adapters import (
     parse_tool_calls,
     pick_row,
 )
-from envport.train.adapters.skyrl import output_lists, skyrl_dataset
+from envport.train.adapters.skyrl import output_lists, skyrl_dataset, stand_in_rewards
 from envport.train.adapters.verl import output_fields, task_from_kwargs, verl_dataset
 from envport.train.rows import RowsResult
 
@@ -240,32 +242,86 @@ def test_skyrl_lists_align_and_mask_missing_rows() -> None:
     assert without["rollout_logprobs"] is None  # never a ragged mix
 
 
-def test_skyrl_gives_a_failed_rollout_its_group_s_mean_reward() -> None:
-    """Masked, it trains nothing; with its group's mean it leaves the group's baseline
-    where the scored runs put it (0.0 would drag it down)."""
-
-    def grouped(group: str, reward: float | None) -> Rollout:
-        if reward is None:
-            r = rollout(status=TraceStatus.FAILED)
+def skyrl_grpo(scores: list[float], groups: list[str], eps: float = 1e-6) -> list[float]:
+    """skyrl-train 0.3.1's compute_grpo_outcome_advantage: (r - mean) / (std + eps) per
+    uid, std the sample standard deviation (torch.std); a lone member: mean 0, std 1."""
+    out = []
+    for score, group in zip(scores, groups, strict=True):
+        members = [x for x, g in zip(scores, groups, strict=True) if g == group]
+        if len(members) == 1:
+            out.append(score)
         else:
-            scored = row(6)
-            scored.reward = reward
-            r = rollout(scored)
-        r.trace.group_id = group
-        return r
+            mean, std = statistics.fmean(members), statistics.stdev(members)
+            out.append((score - mean) / (std + eps))
+    return out
 
+
+def grouped(group: str, reward: float | None, *, failed: bool = False) -> Rollout:
+    if failed:
+        r = rollout(status=TraceStatus.FAILED)
+    else:
+        scored = row(6)
+        scored.reward = reward
+        r = rollout(scored)
+    r.trace.group_id = group
+    return r
+
+
+@pytest.mark.parametrize(
+    ("rewards", "failed"),
+    [
+        ([1.0, 0.0, None, None], [False, False, True, True]),  # two failed of four
+        ([1.0, 0.0, 0.5, None, None, None], [False] * 3 + [True] * 3),  # three
+        ([1.0, 0.0, 0.25, None, None], [False, False, False, True, False]),  # + unscored
+        ([1.0, 0.0, None, float("nan")], [False, False, True, False]),  # + non-finite
+    ],
+)
+def test_skyrl_stand_ins_leave_the_scored_rollouts_advantages_as_they_were(
+    rewards: list[float | None], failed: list[bool]
+) -> None:
+    """Failed and unscored rollouts are masked and given rewards that keep the group's
+    mean and std: under skyrl-train's GRPO formula every scored rollout's advantage is
+    the one it would have without them. (The group's mean used to stand in: the std
+    shrank and the others' advantages grew, 1.7x with two of four failed.)"""
+    rollouts = [grouped("a", r, failed=f) for r, f in zip(rewards, failed, strict=True)]
+    out = output_lists(rollouts)
+    scores = [sum(r) for r in out["rewards"]]
+    advantages = skyrl_grpo(scores, ["a"] * len(scores))
+    scored = [i for i, r in enumerate(rewards) if r is not None and r == r]
+    alone = skyrl_grpo([scores[i] for i in scored], ["a"] * len(scored))
+    assert [advantages[i] for i in scored] == pytest.approx(alone, abs=1e-6)
+    # The batch's mean reward (what SkyRL logs) is the scored rollouts' too.
+    assert statistics.fmean(scores) == pytest.approx(statistics.fmean(scores[i] for i in scored))
+    for i in set(range(len(rewards))) - set(scored):
+        assert not any(out["loss_masks"][i])  # no gradient from a stand-in
+    unscored = sum(1 for i in set(range(len(rewards))) - set(scored) if not failed[i])
+    assert out["rollout_metrics"]["envport/unscored"] == unscored
+    assert out["rollout_metrics"]["envport/no_row"] == sum(failed)
+
+
+def test_skyrl_a_lone_stand_in_keeps_its_group_s_mean_and_signs() -> None:
+    """One stand-in cannot keep both mean and std: it keeps the mean (every sign, and
+    Dr. GRPO's advantages exactly); the std shrinks by sqrt((k-1)/k)."""
     out = output_lists(
         [
             grouped("a", 1.0),
             grouped("a", 0.0),
-            grouped("a", None),
+            grouped("a", 0.5),
+            grouped("a", None, failed=True),
             grouped("b", 0.5),
-            grouped("b", None),
-            grouped("c", None),  # no scored sibling
+            grouped("b", None, failed=True),  # one scored sibling: no spread
+            grouped("c", None, failed=True),  # no scored sibling
         ]
     )
-    assert [r[-1] for r in out["rewards"]] == [1.0, 0.0, 0.5, 0.5, 0.5, 0.0]
-    assert out["loss_masks"][2] == out["loss_masks"][4] == out["loss_masks"][5] == [0]
+    assert [r[-1] for r in out["rewards"]] == [1.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.0]
+    scores = [sum(r) for r in out["rewards"]]
+    advantages = skyrl_grpo(scores, ["a"] * 4 + ["b"] * 2 + ["c"])
+    assert advantages[:3] == pytest.approx(
+        [x * math.sqrt(3 / 2) for x in (1.0, -1.0, 0.0)], abs=1e-5
+    )
+    assert advantages[4] == 0.0
+    assert stand_in_rewards([], 2) == [0.0, 0.0]
+    assert stand_in_rewards([1.0, 0.0], 0) == []
 
 
 def test_skyrl_dataset_carries_the_task() -> None:

@@ -15,11 +15,15 @@ earned it, for a rubric that does not already count them), ``rollout_logprobs``,
 
 Which task a prompt is: ``env_extras[i]["envport_task"]`` (a task as JSON; build the
 dataset with :func:`skyrl_dataset`), else a task made from the prompt and
-``env_classes[i]`` as the env id. A rollout that split hands SkyRL one fragment; a
-rollout that gave no row is returned fully masked (one pad token, mask 0; its reward the
-mean of its group's scored rollouts, so failures do not pull the group's baseline toward
-0) and counted in ``rollout_metrics["envport/no_row"]``, or raised with
-``on_failure="raise"``.
+``env_classes[i]`` as the env id. A rollout that split hands SkyRL one fragment.
+
+**Rollouts without a score** (a rollout that gave no row, e.g. a failed one; a
+completed one without a reward, or with a non-finite one) are masked stand-ins: loss
+mask all 0, so they carry no gradient (a rollout without a row is one pad token; an
+unscored one keeps its tokens), and a reward chosen so that they do not move the
+group's GRPO statistics (see :func:`stand_in_rewards`). They are counted in
+``rollout_metrics["envport/no_row"]`` and ``["envport/unscored"]``; ``on_failure="raise"``
+raises on a rollout without a row instead.
 
 skyrl-train is imported only when the class is built (``EnvportGenerator`` on first
 access, or :func:`generator_class`): this module imports without it.
@@ -28,6 +32,8 @@ access, or :func:`generator_class`): this module imports without it.
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -43,7 +49,7 @@ from envport.train.adapters._common import (
     TokenChatModel,
 )
 from envport.train.adapters.trl import task_messages
-from envport.train.rows import _cut
+from envport.train.rows import TrainingRow, _cut
 
 
 def skyrl_dataset(tasks: Iterable[Task]) -> list[dict[str, Any]]:
@@ -68,6 +74,44 @@ def _task(prompt: list[dict[str, Any]], env_class: str, extras: dict[str, Any] |
     )
 
 
+def stand_in_rewards(scored: list[float], count: int) -> list[float]:
+    """Rewards for ``count`` masked stand-ins in a group whose scored rollouts got ``scored``.
+
+    skyrl-train's GRPO advantage is ``(r - mean) / (std + eps)`` over every rollout the
+    group's ``uid`` holds, stand-ins included (``std``: sample standard deviation), and a
+    generator cannot take a rollout out of its group. The stand-ins' rewards are chosen
+    so that the group keeps the mean and std of its scored rollouts, which leaves every
+    scored rollout's advantage what it would be without the stand-ins:
+
+    * two or more stand-ins: spread symmetrically around the scored mean (their
+      deviations sum to 0, their squares to ``count * std**2``); exact;
+    * one stand-in: the scored mean (no single value keeps the std as well): the mean,
+      hence every advantage's sign, is kept; the std shrinks by ``sqrt((k-1)/k)`` for
+      ``k`` scored rollouts, so their advantages grow by ``sqrt(k/(k-1))`` (exact under
+      Dr. GRPO, ``grpo_norm_by_std=False``);
+    * one scored rollout: its reward (the group has no spread: advantage 0, as a group
+      of one has no baseline); none: 0.0.
+
+    The stand-ins' own advantages do not matter: their loss mask is 0. Their rewards are
+    bookkeeping, not scores (they can fall outside the reward's range).
+    """
+    if count <= 0:
+        return []
+    if not scored:
+        return [0.0] * count
+    mean = statistics.fmean(scored)
+    if len(scored) == 1 or count == 1:
+        return [mean] * count
+    std = statistics.stdev(scored)
+    offsets = [j - (count - 1) / 2 for j in range(count)]
+    scale = math.sqrt(count / sum(x * x for x in offsets))
+    return [mean + std * scale * x for x in offsets]
+
+
+def _scored(row: TrainingRow | None) -> bool:
+    return row is not None and row.reward is not None and math.isfinite(row.reward)
+
+
 def output_lists(
     rollouts: list[Rollout],
     *,
@@ -77,15 +121,29 @@ def output_lists(
 ) -> dict[str, Any]:
     """The list fields of SkyRL's ``GeneratorOutput`` for rollouts, in order.
 
-    A rollout with no row is a fully masked stand-in. Its reward is the mean of the
-    rewards of its group's rollouts that have rows (same ``trace.group_id``), so the
-    group's baseline is the mean of the runs that were scored, not pulled toward 0 by
-    runs that failed; 0.0 when it has no group or no scored sibling."""
-    scored: dict[str, list[float]] = {}
+    A rollout with no row, or whose row has no finite reward, is a masked stand-in (loss
+    mask all 0) with a reward from :func:`stand_in_rewards` over its group (same
+    ``trace.group_id``; a rollout without a group is a group of its own)."""
+    rows: list[TrainingRow | None] = []
     for rollout in rollouts:
+        row = rollout.row
+        limit = max_response_length
+        if row is not None and limit is not None and len(row.completion_ids) > limit:
+            row = _cut(row, len(row.prompt_ids) + limit)
+        rows.append(row)
+    groups: dict[str, list[int]] = {}
+    for i, rollout in enumerate(rollouts):
         group = rollout.trace.group_id
-        if group is not None and rollout.row is not None and rollout.row.reward is not None:
-            scored.setdefault(group, []).append(rollout.row.reward)
+        groups.setdefault(f"g:{group}" if group is not None else f"i:{i}", []).append(i)
+    stand_in: dict[int, float] = {}
+    for members in groups.values():
+        scored = [
+            sum(row.token_rewards(steps=step_rewards))
+            for row in (rows[i] for i in members)
+            if row is not None and _scored(row)
+        ]
+        masked = [i for i in members if not _scored(rows[i])]
+        stand_in.update(zip(masked, stand_in_rewards(scored, len(masked)), strict=True))
     out: dict[str, Any] = {
         "prompt_token_ids": [],
         "response_ids": [],
@@ -94,12 +152,8 @@ def output_lists(
         "stop_reasons": [],
     }
     logprobs: list[list[float]] | None = []
-    splits = no_row = 0
-    for rollout in rollouts:
-        row = rollout.row
-        limit = max_response_length
-        if row is not None and limit is not None and len(row.completion_ids) > limit:
-            row = _cut(row, len(row.prompt_ids) + limit)
+    splits = no_row = unscored = 0
+    for i, (rollout, row) in enumerate(zip(rollouts, rows, strict=True)):
         if row is None:
             no_row += 1
             first = next(
@@ -108,8 +162,7 @@ def output_lists(
             )
             out["prompt_token_ids"].append(list(first or [pad_id]))
             out["response_ids"].append([pad_id])
-            siblings = scored.get(rollout.trace.group_id or "")
-            out["rewards"].append([sum(siblings) / len(siblings) if siblings else 0.0])
+            out["rewards"].append([stand_in[i]])
             out["loss_masks"].append([0])
             out["stop_reasons"].append("error")
             if logprobs is not None:
@@ -118,8 +171,15 @@ def output_lists(
         splits += row.split_reason is not None
         out["prompt_token_ids"].append(list(row.prompt_ids))
         out["response_ids"].append(list(row.completion_ids))
-        out["rewards"].append(row.token_rewards(steps=step_rewards))
-        out["loss_masks"].append(list(row.mask))
+        if i in stand_in:  # completed, but not scored: its tokens stay, masked out
+            unscored += 1
+            rewards = [0.0] * len(row.completion_ids)
+            rewards[-1] = stand_in[i]
+            out["rewards"].append(rewards)
+            out["loss_masks"].append([0] * len(row.mask))
+        else:
+            out["rewards"].append(row.token_rewards(steps=step_rewards))
+            out["loss_masks"].append(list(row.mask))
         finish = row.metadata.get("finish_reasons") or [None]
         out["stop_reasons"].append("length" if row.truncated else str(finish[-1] or "stop"))
         if logprobs is not None and row.logprobs is not None:
@@ -127,10 +187,15 @@ def output_lists(
         else:
             logprobs = None
     out["rollout_logprobs"] = logprobs
-    rewards = [r.trace.reward for r in rollouts if r.row is not None and r.trace.reward is not None]
+    rewards = [
+        r.trace.reward
+        for r in rollouts
+        if r.row is not None and r.trace.reward is not None and math.isfinite(r.trace.reward)
+    ]
     out["rollout_metrics"] = {
         "envport/rollouts": len(rollouts),
         "envport/no_row": no_row,
+        "envport/unscored": unscored,
         "envport/split_rows": splits,
         "envport/mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "envport/mean_turns": (
@@ -257,4 +322,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["generator_class", "output_lists", "skyrl_dataset"]
+__all__ = ["generator_class", "output_lists", "skyrl_dataset", "stand_in_rewards"]
