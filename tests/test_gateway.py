@@ -1092,6 +1092,27 @@ async def test_unknown_rollout_is_404(gw: Served) -> None:
     assert r.status_code == 409
 
 
+async def test_finish_refuses_a_non_finite_reward_and_keeps_the_rollout_open(gw: Served) -> None:
+    """A NaN reward used to be stored and later broke every advantage of its group."""
+    ro = await gw.rollout()
+    url = f"/admin/rollouts/{ro['rollout_id']}/finish"
+    for body, param in (
+        ({"reward": "NaN"}, "reward"),
+        ({"reward": "-Infinity"}, "reward"),
+        ({"rewards": [{"name": "judge", "value": "NaN"}]}, "rewards"),
+    ):
+        r = await gw.admin.post(url, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param
+        assert error["code"] == "invalid_value"
+        assert "finite" in error["message"]
+    assert (await gw.view(ro["rollout_id"]))["state"] != "finished"
+    r = await gw.admin.post(url, json={"reward": 0.5})
+    assert r.status_code == 200, r.text
+    assert r.json()["reward"] == 0.5
+
+
 async def test_missing_unknown_and_expired_tokens_are_401(gw: Served) -> None:
     ro = await gw.rollout(ttl_s=1.0)  # long enough for the first calls on a loaded machine
     url = f"{ro['base_url']}/chat/completions"

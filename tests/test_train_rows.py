@@ -471,6 +471,24 @@ def test_group_advantages_count_each_rollout_once() -> None:
     assert [r.advantage for r in split_rows] == pytest.approx([want_g2[0]] * 2)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_reward_is_unscored_and_labelled_not_a_crash(bad: float) -> None:
+    """A NaN reward used to reach statistics.stdev and crash assign_advantages
+    ("'float' object has no attribute 'numerator'"); infinity made others' NaN."""
+    scored = [rollout(THREE_TURNS, reward=r) for r in (1.0, 0.0, 1.0)]
+    poisoned = rollout(THREE_TURNS, reward=bad, step_rewards=[bad, 0.25])
+    built = build_all([*scored, poisoned])
+    rows = assign_advantages(built.rows)
+    assert rows[3].reward is None
+    assert "non_finite_reward" in rows[3].labels
+    assert rows[3].step_rewards == [(rows[3].spans[1][1] - 1, 0.25)]  # the finite one
+    assert built.counts["non_finite_reward"] == 2  # the run's reward and one step's
+    assert [r.advantage for r in rows] == pytest.approx([*group_advantages([1.0, 0.0, 1.0]), None])
+    # Rows that carry one anyway (made by hand) are unscored by the advantages too.
+    by_hand = [r.model_copy(update={"reward": bad}) if i == 3 else r for i, r in enumerate(rows)]
+    assert [r.advantage for r in assign_advantages(by_hand)][3] is None
+
+
 def test_summary_counts_every_label() -> None:
     built = build_all(batch())
     counts = summarise([built])

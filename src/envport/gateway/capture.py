@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -40,7 +41,7 @@ from enum import StrEnum
 from typing import Any, TypeGuard
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from envport.trace.model import (
     Choice,
@@ -549,11 +550,21 @@ class FinishRequest(BaseModel):
 
     status: TraceStatus = TraceStatus.COMPLETED
     stop_reason: str | None = None
-    reward: float | None = None
+    #: A reward is a finite number or absent (unscored): NaN or infinity is refused
+    #: (400), not stored to break every group's advantages later.
+    reward: float | None = Field(default=None, allow_inf_nan=False)
     rewards: list[Reward] = Field(default_factory=list)
     metrics: dict[str, float] = Field(default_factory=dict)
     errors: list[TraceError] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("rewards")
+    @classmethod
+    def _finite_rewards(cls, rewards: list[Reward]) -> list[Reward]:
+        for i, r in enumerate(rewards):
+            if not math.isfinite(r.value) or not math.isfinite(r.weight):
+                raise ValueError(f"rewards[{i}] ({r.name!r}) must have a finite value and weight")
+        return rewards
 
 
 class RolloutView(BaseModel):

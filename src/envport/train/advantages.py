@@ -5,11 +5,13 @@ against the others of its group, computed by :func:`envport.rubrics.group_advant
 (``(r - mean) / (std + eps)``, or ``r - mean`` without ``normalize_std``). A rollout is
 counted once (per trace) however many fragments (rows) it was split into, and every fragment gets
 the rollout's advantage. Rows without a ``group_id`` form a group of their own
-(advantage 0); unscored rollouts (reward ``None``) get ``None`` and do not count.
+(advantage 0); unscored rollouts (reward ``None``, NaN or infinite) get ``None`` and do
+not count.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from envport.rubrics import group_advantages
@@ -23,7 +25,10 @@ def row_advantages(
     groups: dict[str, dict[str, float | None]] = {}
     for row in rows:
         key = row.group_id if row.group_id is not None else f"\0{row.trace_id}"
-        groups.setdefault(key, {}).setdefault(row.trace_id, row.reward)
+        reward = row.reward
+        if reward is not None and not math.isfinite(reward):
+            reward = None  # NaN or infinity: unscored (build_rows already makes it None)
+        groups.setdefault(key, {}).setdefault(row.trace_id, reward)
     out: dict[str, float | None] = {}
     for members in groups.values():
         ids = list(members)

@@ -47,13 +47,16 @@ for, but the row's version is unknown). Counts of every label land in
 
 **Rewards.** ``reward`` is the run's reward (``Trace.reward``), meant for the last
 completion token (:attr:`TrainingRow.reward_index`); every fragment of a rollout
-carries it, because it scores the whole rollout. ``step_rewards`` places each
-:class:`StepRecord` reward on the last sampled token of the model call that caused
-the step (found through the tool call id, else the timing, else ``step_index``).
+carries it, because it scores the whole rollout. A NaN or infinite reward makes the row
+unscored (``reward`` None, labelled ``non_finite_reward``; a step's is left out).
+``step_rewards`` places each :class:`StepRecord` reward on the last sampled token of the
+model call that caused the step (found through the tool call id, else the timing, else
+``step_index``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +84,9 @@ UNKNOWN_POLICY_VERSION: Final = "unknown_policy_version"
 MISSING_LOGPROBS: Final = "missing_logprobs"
 UNUSED_CHOICES: Final = "unused_choices"
 UNPLACED_STEP_REWARD: Final = "unplaced_step_reward"
+#: A NaN or infinite reward (the run's or a step's): the row is kept as unscored
+#: (``reward`` None) or the step reward is left out, rather than poisoning advantages.
+NON_FINITE_REWARD: Final = "non_finite_reward"
 
 SPLIT_REASONS: Final = (
     TEMPLATE_REWROTE_HISTORY,
@@ -409,6 +415,8 @@ def build_rows(
         result.counts[NO_USABLE_CALLS] += 1
         return result
 
+    if trace.reward is not None and not math.isfinite(trace.reward):
+        result.counts[NON_FINITE_REWARD] += 1
     rows = [_finish(trace, f, i, len(fragments)) for i, f in enumerate(fragments)]
     _place_step_rewards(trace, rows, result)
     for row in rows:
@@ -435,6 +443,10 @@ def _finish(trace: Trace, f: _Open, index: int, total: int) -> TrainingRow:
         logprobs = [lp for lp in f.logprobs if lp is not None]
     else:
         labels.append(MISSING_LOGPROBS)
+    reward = trace.reward
+    if reward is not None and not math.isfinite(reward):
+        labels.append(NON_FINITE_REWARD)
+        reward = None
     metadata: dict[str, Any] = {
         "task_id": trace.task_id,
         "run_id": trace.run_id,
@@ -449,7 +461,7 @@ def _finish(trace: Trace, f: _Open, index: int, total: int) -> TrainingRow:
         completion_ids=f.completion_ids,
         mask=f.mask,
         logprobs=logprobs,
-        reward=trace.reward,
+        reward=reward,
         group_id=trace.group_id,
         trace_id=trace.trace_id,
         rollout_id=trace.rollout_id,
@@ -478,6 +490,9 @@ def _place_step_rewards(trace: Trace, rows: list[TrainingRow], result: RowsResul
     owners = _step_calls(trace)
     for step in sorted(trace.steps, key=lambda s: s.index):
         if step.reward is None:
+            continue
+        if not math.isfinite(step.reward):
+            result.counts[NON_FINITE_REWARD] += 1
             continue
         owner = owners.get(step.index)
         spot = where.get(owner) if owner is not None else None
@@ -595,6 +610,7 @@ _KIND = {
     MISSING_LOGPROBS: "note",
     UNUSED_CHOICES: "note",
     UNPLACED_STEP_REWARD: "note",
+    NON_FINITE_REWARD: "note",
 }
 
 
