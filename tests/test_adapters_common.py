@@ -183,6 +183,18 @@ def test_verl_fields_cut_long_responses_and_prompts_and_mask_missing_rows() -> N
     assert failed["extra_fields"]["envport_status"] == "failed"
 
 
+def test_verl_an_unscored_rollout_is_a_masked_stand_in_with_a_score() -> None:
+    """reward_score None on one output made verl 0.9.1 leave rm_scores out of the whole
+    batch (_postprocess needs every score); an unscored row trains nothing instead."""
+    unscored = row(6)
+    unscored.reward = None
+    fields = output_fields(rollout(unscored))
+    assert fields["reward_score"] == 0.0
+    assert fields["response_mask"] == [0] * 6
+    assert fields["response_ids"] == unscored.completion_ids
+    assert fields["extra_fields"]["envport_status"] == "unscored"
+
+
 def test_verl_logprobs_are_all_lists_when_asked_and_all_none_when_not() -> None:
     """verl concatenates every output's logprobs when the batch's first has them: a
     stand-in or a row without logprobs must not be None next to rows that have them."""

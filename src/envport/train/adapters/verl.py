@@ -30,6 +30,11 @@ default), its label in ``extra_fields["envport_split_reason"]``. A response long
 token, mask 0, ``reward_score`` 0.0, ``extra_fields["envport_status"] = "failed"``):
 it trains nothing, but verl still counts its 0.0 in the group's baseline, so filter on
 that field if that matters; ``on_failure = "raise"`` (a class attribute) raises instead.
+A completed rollout without a reward (no rubric; a non-finite one) keeps its tokens
+under mask 0 with ``reward_score`` 0.0 and ``envport_status = "unscored"``, the same
+stand-in (an agent loop sees one sample, not its group, so it cannot pick a reward that
+leaves the group's statistics alone as the SkyRL generator does); ``None`` would make
+verl drop ``rm_scores`` for the whole batch.
 Traces are kept in the SQLite file named by ``ENVPORT_TRACE_DB`` (shared by every
 worker process), else in memory.
 """
@@ -153,12 +158,20 @@ def output_fields(
             "num_turns": 0,
             "extra_fields": extra,
         }
+    mask = list(row.mask)
+    reward = row.reward
+    if reward is None:
+        # Completed but unscored: a masked stand-in like a failed rollout (None would make
+        # verl drop rm_scores for the whole batch).
+        extra["envport_status"] = "unscored"
+        mask = [0] * len(mask)
+        reward = 0.0
     return {
         "prompt_ids": list(row.prompt_ids[prompt_cut:]),
         "response_ids": list(row.completion_ids),
-        "response_mask": list(row.mask),
+        "response_mask": mask,
         "response_logprobs": _logprobs(row) if logprobs else None,
-        "reward_score": row.reward,
+        "reward_score": reward,
         "num_turns": sum(1 for m in trace.messages if m.role != "system"),
         "extra_fields": extra,
     }
