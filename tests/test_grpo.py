@@ -9,7 +9,14 @@ from envport.policy.tokenizer import ByteTokenizer
 from envport.policy.torch_policy import TinyConfig, TinyTransformer, TorchPolicy
 from envport.trace import Trace, TraceStatus
 from envport.trace.model import Choice, ModelCall
-from envport.train.grpo import GrpoConfig, GrpoTrainer, RowError, pack, token_logprobs
+from envport.train.grpo import (
+    GrpoConfig,
+    GrpoTrainer,
+    RowError,
+    grpo_loss,
+    pack,
+    token_logprobs,
+)
 from envport.train.pipeline import Pipeline, PipelineConfig, addition_tasks
 from envport.train.rows import TrainingRow
 
@@ -157,3 +164,48 @@ def test_decoupled_update_still_learns_from_rows_past_the_clip() -> None:
     )
     assert stats.clip_fraction == 0.0
     assert sum(logprobs_of(module, GOOD)) > good0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1.7])
+def test_the_ratio_is_taken_at_the_sampling_temperature(temperature: float) -> None:
+    """The sampler's logprobs are log_softmax(logits / T); the trainer's used to be taken
+    at T = 1, so at T != 1 the ratio and the importance weight were off before any
+    update. Now each call's tokens are scored at its own temperature: exactly 1."""
+    from envport.policy.base import SamplingParams as Sampling
+
+    torch.manual_seed(0)
+    policy = TorchPolicy(TinyTransformer(SMALL), version=0, seed=0)
+    module = policy._weights.module
+    first = policy.sample(
+        PROMPT, Sampling(temperature=temperature, max_tokens=6, seed=1), chat=False
+    )
+    gap = [60, 61]  # a tool result between two calls (mask 0)
+    second_prompt = [*PROMPT, *first.token_ids, *gap]
+    second = policy.sample(
+        second_prompt, Sampling(temperature=0.8, max_tokens=4, seed=2), chat=False
+    )
+    n1, n2 = len(first.token_ids), len(second.token_ids)
+    r = TrainingRow(
+        prompt_ids=PROMPT,
+        completion_ids=[*first.token_ids, *gap, *second.token_ids],
+        mask=[1] * n1 + [0, 0] + [1] * n2,
+        logprobs=[*first.logprobs, 0.0, 0.0, *second.logprobs],
+        reward=1.0,
+        advantage=1.0,
+        trace_id="t",
+        rollout_id="t",
+        policy_versions=[0, 0],
+        num_turns=2,
+        spans=[(0, n1), (n1 + 2, n1 + 2 + n2)],
+        temperatures=[temperature, 0.8],
+    )
+    batch = pack([r])
+    with torch.no_grad():
+        prox = token_logprobs(module, batch.ids, batch.temperatures)
+    on = batch.mask > 0
+    weight = torch.exp(prox - batch.old_logprobs)[on]
+    assert weight.tolist() == pytest.approx([1.0] * (n1 + n2), abs=1e-4)
+    with torch.no_grad():
+        _, info = grpo_loss(module, batch)  # plain PPO: the ratio against the sampler
+    assert info["clip_fraction"] == 0.0
+    assert abs(info["approx_kl"]) < 1e-6

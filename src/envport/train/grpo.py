@@ -8,7 +8,10 @@ advantages (:func:`envport.train.assign_advantages`), averaged over every sample
     loss    = -mean_t min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
 
 ``logp_old`` is the **sampler's** logprob, carried in the row exactly as the model server
-returned it. With ``decoupled`` (the default) rows sampled by an older policy version
+returned it, i.e. ``log_softmax(logits / T)`` at the call's sampling temperature ``T``
+(``TrainingRow.temperatures``): ``logp_new`` and ``logp_prox`` are taken at the same
+temperature, so before any update the ratio is exactly 1 whatever ``T``. With
+``decoupled`` (the default) rows sampled by an older policy version
 (bounded staleness: see :mod:`envport.train.pipeline`) are handled as decoupled PPO
 does: the ratio is taken against the policy as it was when this update began
 (``logp_prox``, recomputed) and each token is weighted by the truncated importance
@@ -69,6 +72,15 @@ class Batch:
     mask: Tensor
     old_logprobs: Tensor
     advantages: Tensor
+    #: ``[B, T-1]``: the sampling temperature of each target position's call (1.0 where
+    #: unknown, greedy or not sampled); None: 1.0 everywhere.
+    temperatures: Tensor | None = None
+
+    def select(self, idx: Tensor) -> Batch:
+        temps = None if self.temperatures is None else self.temperatures[idx]
+        return Batch(
+            self.ids[idx], self.mask[idx], self.old_logprobs[idx], self.advantages[idx], temps
+        )
 
     @property
     def tokens(self) -> int:
@@ -111,6 +123,7 @@ def pack(rows: Sequence[TrainingRow], *, pad_id: int = 0) -> Batch:
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), length - 1))
     old = torch.zeros((len(rows), length - 1))
+    temps = torch.ones((len(rows), length - 1))
     adv = torch.zeros(len(rows))
     for i, row in enumerate(rows):
         seq = row.prompt_ids + row.completion_ids
@@ -120,13 +133,23 @@ def pack(rows: Sequence[TrainingRow], *, pad_id: int = 0) -> Batch:
         mask[i, start : start + n] = torch.tensor(row.mask, dtype=torch.float)
         assert row.logprobs is not None
         old[i, start : start + n] = torch.tensor(row.logprobs)
+        for (lo, hi), temp in zip(row.spans, row.temperatures, strict=False):
+            if temp is not None and temp > 0:  # greedy (0) samples from the plain logits
+                temps[i, start + lo : start + hi] = temp
         adv[i] = float(row.advantage or 0.0)
-    return Batch(ids, mask, old, adv)
+    return Batch(ids, mask, old, adv, temps)
 
 
-def token_logprobs(model: nn.Module, ids: Tensor) -> Tensor:
-    """``[B, T-1]``: the logprob of ``ids[:, i + 1]`` after ``ids[:, : i + 1]``."""
+def token_logprobs(model: nn.Module, ids: Tensor, temperatures: Tensor | None = None) -> Tensor:
+    """``[B, T-1]``: the logprob of ``ids[:, i + 1]`` after ``ids[:, : i + 1]``.
+
+    With ``temperatures`` (``[B, T-1]``, as :func:`pack` makes them) each position's
+    logits are divided by the temperature its token was sampled at, as the sampler's
+    logprobs were: ``log_softmax(logits / T)``, so the ratio compares like with like.
+    """
     logits = model(ids[:, :-1]).float()
+    if temperatures is not None:
+        logits = logits / temperatures.unsqueeze(-1)
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
@@ -148,7 +171,7 @@ def grpo_loss(
     decoupled PPO, which keeps learning from rows a version or two stale instead of
     clipping them away.
     """
-    new = token_logprobs(model, batch.ids)
+    new = token_logprobs(model, batch.ids, batch.temperatures)
     mask = batch.mask
     n = mask.sum().clamp(min=1.0)
     base = batch.old_logprobs if prox is None else prox
@@ -196,15 +219,13 @@ class GrpoTrainer:
         if cfg.decoupled:
             with torch.no_grad():
                 self.module.eval()
-                prox = token_logprobs(self.module, full.ids)
+                prox = token_logprobs(self.module, full.ids, full.temperatures)
                 self.module.train()
         for _ in range(cfg.epochs):
             order = torch.randperm(len(rows), generator=self._gen)
             for start in range(0, len(rows), cfg.minibatch):
                 idx = order[start : start + cfg.minibatch]
-                batch = Batch(
-                    full.ids[idx], full.mask[idx], full.old_logprobs[idx], full.advantages[idx]
-                )
+                batch = full.select(idx)
                 tokens += batch.tokens
                 loss, info = grpo_loss(
                     self.module,
