@@ -361,6 +361,19 @@ def test_absent_logprobs_keep_the_tokens_and_say_so() -> None:
     assert result.counts["missing_logprobs"] == 1
 
 
+def test_a_row_that_sampled_nothing_is_dropped_with_its_label() -> None:
+    """An empty completion used to make a row with no token to train or reward
+    (reward_index -1); an empty turn inside a merged row is harmless and stays."""
+    empty = rollout([("x", None, None)], completion_ids={0: []})
+    result = build_rows(empty)
+    assert result.rows == []
+    assert result.dropped == [(empty.trace_id, "no_sampled_tokens")]
+    assert result.counts["no_sampled_tokens"] == 1
+    inside = rollout(THREE_TURNS, completion_ids={1: []})
+    (row,) = build_rows(inside).rows
+    assert row.num_turns == 3
+
+
 def test_finish_reason_length_ends_the_row() -> None:
     trace = rollout(THREE_TURNS)
     trace.model_calls[1].choices[0].finish_reason = "length"

@@ -39,7 +39,8 @@ they began). The labels:
 
 Whole traces and rows are dropped with a reason: ``failed_rollout`` (status is not
 ``completed``: failed, cancelled, or still pending/running), ``no_model_calls``,
-``no_usable_calls`` (every call was unusable), ``over_max_length`` (nothing sampled
+``no_usable_calls`` (every call was unusable), ``no_sampled_tokens`` (a row whose calls
+sampled nothing, e.g. an empty completion), ``over_max_length`` (nothing sampled
 survives the cut), ``stale`` (the row's oldest call is more than ``max_staleness``
 policy versions behind), ``unknown_policy_version`` (a staleness filter was asked
 for, but the row's version is unknown). Counts of every label land in
@@ -79,6 +80,7 @@ NO_USABLE_CALLS: Final = "no_usable_calls"
 OVER_MAX_LENGTH: Final = "over_max_length"
 STALE: Final = "stale"
 UNKNOWN_POLICY_VERSION: Final = "unknown_policy_version"
+NO_SAMPLED_TOKENS: Final = "no_sampled_tokens"
 #: Informational labels (no data lost): a call without logprobs (the row's logprobs
 #: become ``None``), extra choices of an ``n > 1`` call, a step reward with no call.
 MISSING_LOGPROBS: Final = "missing_logprobs"
@@ -102,6 +104,7 @@ DROP_REASONS: Final = (
     OVER_MAX_LENGTH,
     STALE,
     UNKNOWN_POLICY_VERSION,
+    NO_SAMPLED_TOKENS,
     MISSING_TOKEN_IDS,
     LOGPROB_MISMATCH,
 )
@@ -420,6 +423,10 @@ def build_rows(
     rows = [_finish(trace, f, i, len(fragments)) for i, f in enumerate(fragments)]
     _place_step_rewards(trace, rows, result)
     for row in rows:
+        if not any(row.mask):  # e.g. an empty completion: nothing to train, no reward spot
+            result.dropped.append((tid, NO_SAMPLED_TOKENS))
+            result.counts[NO_SAMPLED_TOKENS] += 1
+            continue
         kept = _filter(row, result, max_length, max_staleness, current_policy_version, trace)
         if kept is not None:
             result.rows.append(kept)
