@@ -374,6 +374,56 @@ def test_a_row_that_sampled_nothing_is_dropped_with_its_label() -> None:
     assert row.num_turns == 3
 
 
+def retry_of(call: ModelCall, ids: list[int]) -> ModelCall:
+    """The same prompt sent again, answered with ``ids``."""
+    return ModelCall(
+        model="m",
+        prompt_token_ids=list(call.prompt_token_ids or []),
+        choices=[
+            Choice(
+                finish_reason="stop", completion_token_ids=ids, completion_logprobs=lps(len(ids), 9)
+            )
+        ],
+    )
+
+
+def test_a_retried_prompt_abandons_the_reply_and_keeps_one_row() -> None:
+    """The harness re-sent a prompt: that used to split as retokenization_drift with
+    both replies trained on and both carrying the reward. Now the abandoned reply is
+    dropped (labelled retried_prompt) and the row goes on from the branch point."""
+    trace = rollout(THREE_TURNS[:1])
+    first = trace.model_calls[0]
+    retry = retry_of(first, [*TOK.encode("again"), IM_END_ID])
+    trace.model_calls.append(retry)
+    result = build_rows(trace)
+    (row,) = result.rows
+    assert row.prompt_ids == first.prompt_token_ids
+    assert_token_exact(row, [retry])
+    assert row.split_reason is None
+    assert row.labels == ["retried_prompt"]
+    assert result.dropped == [(trace.trace_id, "retried_prompt")]
+    assert result.counts["retried_prompt"] == 1
+    assert result.counts["retokenization_drift"] == 0
+
+    # A branch from an earlier turn: the first turn stays, the second is abandoned, the
+    # third (re-asked from the second's prompt) follows the first in one row.
+    trace = rollout(THREE_TURNS)
+    c0, c1, _ = trace.model_calls
+    branch = retry_of(c1, [*TOK.encode("other"), IM_END_ID])
+    trace.model_calls[2] = branch
+    result = build_rows(trace)
+    (row,) = result.rows
+    assert row.num_turns == 2
+    assert row.call_ids == [c0.id, branch.id]
+    assert_token_exact(row, [c0, branch])
+    assert row.prompt_ids + row.completion_ids == [
+        *(branch.prompt_token_ids or []),
+        *sampled(branch),
+    ]
+    assert "retried_prompt" in row.labels
+    assert result.dropped == [(trace.trace_id, "retried_prompt")]
+
+
 def test_finish_reason_length_ends_the_row() -> None:
     trace = rollout(THREE_TURNS)
     trace.model_calls[1].choices[0].finish_reason = "length"

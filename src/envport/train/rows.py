@@ -37,6 +37,13 @@ they began). The labels:
     a call's logprobs and completion ids differ in length: the call is not used,
     rather than guessing which logprob belongs to which token.
 
+Not a split: ``retried_prompt``, a call whose prompt is a strict prefix of the row so
+far (the harness re-sent an earlier prompt: a retry, or a branch from an earlier
+point). The replies after that point were abandoned: each is dropped (``dropped``
+lists it with this reason), the row is cut back to the calls before it and goes on
+with the new call, and the row is labelled ``retried_prompt``. Nothing the policy's
+later turns did not build on is trained on, and the rollout stays one row.
+
 Whole traces and rows are dropped with a reason: ``failed_rollout`` (status is not
 ``completed``: failed, cancelled, or still pending/running), ``no_model_calls``,
 ``no_usable_calls`` (every call was unusable), ``no_sampled_tokens`` (a row whose calls
@@ -81,6 +88,11 @@ OVER_MAX_LENGTH: Final = "over_max_length"
 STALE: Final = "stale"
 UNKNOWN_POLICY_VERSION: Final = "unknown_policy_version"
 NO_SAMPLED_TOKENS: Final = "no_sampled_tokens"
+#: A call re-sent a prompt that is a strict prefix of the row so far (a retry, or a
+#: branch from an earlier point): the replies after that point were abandoned. They are
+#: dropped (each listed with this reason) and the row goes on from the branch point; the
+#: row is labelled with it.
+RETRIED_PROMPT: Final = "retried_prompt"
 #: Informational labels (no data lost): a call without logprobs (the row's logprobs
 #: become ``None``), extra choices of an ``n > 1`` call, a step reward with no call.
 MISSING_LOGPROBS: Final = "missing_logprobs"
@@ -105,6 +117,7 @@ DROP_REASONS: Final = (
     STALE,
     UNKNOWN_POLICY_VERSION,
     NO_SAMPLED_TOKENS,
+    RETRIED_PROMPT,
     MISSING_TOKEN_IDS,
     LOGPROB_MISMATCH,
 )
@@ -237,6 +250,7 @@ class _Open:
     last_prompt_len: int = 0
     ended_by: str | None = None  # why the rollout's next call is not in this row
     truncated: bool = False
+    retried: bool = False  # replies were abandoned by a retry (RETRIED_PROMPT)
 
     @property
     def sequence(self) -> list[int]:
@@ -255,6 +269,21 @@ class _Open:
         self.spans.append((start, len(self.completion_ids)))
         self.calls.append(call)
         self.last_prompt_len = len(call.prompt_token_ids or [])
+
+    def rewind(self, length: int) -> list[ModelCall]:
+        """Cut the row back to the calls whose sampled tokens all lie within its first
+        ``length`` ids (prompt included); the calls cut off are returned."""
+        keep = 0
+        while keep < len(self.spans) and len(self.prompt_ids) + self.spans[keep][1] <= length:
+            keep += 1
+        abandoned = self.calls[keep:]
+        end = self.spans[keep - 1][1] if keep else 0
+        del self.completion_ids[end:], self.mask[end:], self.logprobs[end:]
+        del self.calls[keep:], self.spans[keep:]
+        if self.calls:
+            self.last_prompt_len = len(self.calls[-1].prompt_token_ids or [])
+        self.retried = True
+        return abandoned
 
 
 def _usable(call: ModelCall) -> tuple[Choice | None, str | None]:
@@ -371,6 +400,7 @@ def build_rows(
     fragments: list[_Open] = []
     current: _Open | None = None
     pending: str | None = None  # why the next fragment starts
+    retried = False  # the next fragment replaces one a retry abandoned whole
     for call in trace.model_calls:
         if call.error is not None and not call.choices:
             continue  # a call that failed (its error is recorded): nothing was generated
@@ -391,6 +421,17 @@ def build_rows(
             sequence = current.sequence
             if prompt[: len(sequence)] == sequence:
                 current.add(call, prompt[len(sequence) :], choice)
+            elif len(prompt) < len(sequence) and sequence[: len(prompt)] == prompt:
+                # A retry or a branch: the replies past the prompt were abandoned.
+                for _ in current.rewind(len(prompt)):
+                    result.dropped.append((tid, RETRIED_PROMPT))
+                    result.counts[RETRIED_PROMPT] += 1
+                if current.calls:
+                    current.add(call, prompt[len(current.sequence) :], choice)
+                else:  # nothing of the row is left: the new call starts it again
+                    fragments.remove(current)
+                    pending, retried = current.split_reason, True
+                    current = None
             else:
                 reason = _classify(current, prompt, tokenizer)
                 result.counts[reason] += 1
@@ -398,8 +439,8 @@ def build_rows(
                 current = None
                 pending = reason
         if current is None:
-            current = _Open(prompt_ids=prompt, split_reason=pending)
-            pending = None
+            current = _Open(prompt_ids=prompt, split_reason=pending, retried=retried)
+            pending, retried = None, False
             current.add(call, [], choice)
             fragments.append(current)
         if choice.finish_reason == "length":
@@ -444,6 +485,8 @@ def _finish(trace: Trace, f: _Open, index: int, total: int) -> TrainingRow:
     labels = list(dict.fromkeys(r for r in (f.split_reason, f.ended_by) if r is not None))
     if f.truncated and TRUNCATED not in labels:
         labels.append(TRUNCATED)
+    if f.retried:
+        labels.append(RETRIED_PROMPT)
     truncated = f.truncated
     logprobs: list[float] | None = None
     if all(lp is not None for lp in f.logprobs):
