@@ -246,6 +246,15 @@ def test_a_row_without_logprobs_goes_through_trls_vllm_correction(tmp_path: Path
     assert (ratio[1] == 1.0).all()  # the row without logprobs: no correction
 
 
+def test_a_string_prompt_finds_its_task_whatever_its_characters() -> None:
+    """A str prompt was keyed with ensure_ascii=True and a task's messages with False:
+    any non-ASCII prompt ("Répondez") matched no task."""
+    from envport.train.adapters.trl import _prompt_key, task_messages
+
+    for text in ("What is 2 + 2?", "Combien font 2 + 2 ? Répondez.", "二加二是多少"):
+        assert _prompt_key(text) == _prompt_key(task_messages(Task(id="x", prompt=text)))
+
+
 def test_tasks_sharing_a_prompt_take_turns_one_per_call(model_url: str) -> None:
     """TRL hands over only prompts: variants of one prompt (other seeds) take turns, one
     per call of rollout_func (every process makes the same calls, in training and in

@@ -72,8 +72,9 @@ def task_messages(task: Task) -> list[dict[str, Any]]:
 
 
 def _prompt_key(prompt: Any) -> str:
+    """One string per conversation, the same for a bare string prompt and its message list."""
     if isinstance(prompt, str):
-        return json.dumps([{"role": "user", "content": prompt}])
+        prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, Sequence):
         return json.dumps(
             [{"role": m.get("role"), "content": m.get("content")} for m in prompt],
