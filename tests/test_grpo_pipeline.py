@@ -157,3 +157,28 @@ def test_train_demo_command_runs_and_reports(tmp_path: Path) -> None:
     assert "warm start" in result.output
     for name in ("reward.png", "timeline.png", "results.json"):
         assert (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--group-size", "1"], "--group-size"),
+        (["--prompts", "0"], "--prompts"),
+        (["--iterations", "0"], "--iterations"),
+        (["--warmstart-steps", "-1"], "--warmstart-steps"),
+        (["--compare-iterations", "-1"], "--compare-iterations"),
+    ],
+)
+def test_train_demo_refuses_bad_options_in_one_line_before_starting(
+    tmp_path: Path, args: list[str], option: str
+) -> None:
+    """--group-size 1 (etc.) used to print the banner and then a raw pydantic
+    ValidationError traceback."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["train-demo", *args, "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: invalid train-demo option: " + option)
+    assert result.output.count("\n") == 1
+    assert "envport train-demo" not in result.output  # no banner
+    assert "Traceback" not in result.output
+    assert not out.exists()

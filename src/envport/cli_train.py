@@ -18,12 +18,14 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 # Wide enough for the per-iteration table when the output is piped (make demo | tee).
 # No emoji codes, as in the other commands: text prints as written.
 out = Console(emoji=False) if sys.stdout.isatty() else Console(width=140, emoji=False)
+err = Console(stderr=True, emoji=False)
 
 DEFAULT_OUT = Path("runs/train-demo")
 
@@ -266,8 +268,35 @@ def train_demo_command(
     rows come from the recorded traces; the update runs in-process and the new weights are
     hot-swapped into the server. Writes reward.png, timeline.png and results.json.
     """
+    from pydantic import ValidationError
+
     from envport.train.pipeline import PipelineConfig, WarmStartConfig
 
+    try:  # checked before anything is printed or written
+        base = PipelineConfig(
+            iterations=iterations,
+            prompts=prompts,
+            group_size=group_size,
+            max_staleness=max_staleness,
+            seed=seed,
+            warmstart=WarmStartConfig(steps=warmstart_steps),
+        )
+        if compare_iterations < 0:
+            raise ValueError("--compare-iterations: must be 0 (skip) or more")
+    except (ValidationError, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            option = {"steps": "warmstart-steps"}  # WarmStartConfig's field
+            message = "; ".join(
+                f"--{option.get(str(e['loc'][-1]), str(e['loc'][-1]).replace('_', '-'))}: "
+                f"{e['msg']}"
+                for e in exc.errors(include_url=False)
+            )
+        else:
+            message = str(exc)
+        err.print(
+            f"[bold red]error:[/] invalid train-demo option: {escape(message)}", soft_wrap=True
+        )
+        raise typer.Exit(2) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     out.print(
         "[bold]envport train-demo[/]: GRPO on [bold]envport-tiny[/] (a 2-layer transformer, "
@@ -275,14 +304,6 @@ def train_demo_command(
         "[yellow]Honest setup:[/] a short supervised warm start on imperfect answers (the "
         "right number 70% of the time, the bare-number format the env accepts 25%) leaves it "
         "right ~10% of the time; RL has to find the format that scores and sharpen the sums."
-    )
-    base = PipelineConfig(
-        iterations=iterations,
-        prompts=prompts,
-        group_size=group_size,
-        max_staleness=max_staleness,
-        seed=seed,
-        warmstart=WarmStartConfig(steps=warmstart_steps),
     )
     results: dict[str, Any] = {}
     main, warm = run_training(
