@@ -164,6 +164,38 @@ async def test_readopt_after_controller_restart(kube: tuple[FakeKube, str]) -> N
     assert _job_pods(fake, b.instance_id) == []
 
 
+async def test_aclose_deletes_an_instance_whose_stop_was_cancelled(
+    kube: tuple[FakeKube, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop cancelled before its delete was sent (the controller exits while the call
+    waits for a worker thread): the backend still owns the Job, and aclose deletes it."""
+    fake, url = kube
+    backend = KubernetesBackend(host=url, namespace="rl", port=PORT)
+    inst = await backend.start(EnvLaunch(env_id="echo-v1", labels={"run": "r-cancel"}))
+    delete = backend._delete
+    waiting = asyncio.Event()
+
+    async def slow_delete(name: str, kind: str) -> None:
+        waiting.set()
+        await asyncio.sleep(30)
+        await delete(name, kind)
+
+    monkeypatch.setattr(backend, "_delete", slow_delete)
+    try:
+        stop = asyncio.create_task(backend.stop(inst))
+        await waiting.wait()
+        stop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        monkeypatch.setattr(backend, "_delete", delete)
+        await backend.aclose()
+        assert ("rl", inst.instance_id) not in fake.jobs
+    finally:
+        if ("rl", inst.instance_id) in fake.jobs:  # the assertion failed: clean up
+            async with KubernetesBackend(host=url, namespace="rl", port=PORT) as other:
+                await other.stop(inst)
+
+
 async def test_failed_start_reports_the_pods_log_and_leaves_nothing(
     backend: KubernetesBackend, kube: tuple[FakeKube, str]
 ) -> None:

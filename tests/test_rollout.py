@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import os
+import signal
 import sqlite3
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,6 +32,7 @@ from envport.rollout.backends.local import last_words
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
 from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
 from tests.support.backends import echo
+from tests.support.processes import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,6 +216,37 @@ async def test_pool_lease_cancelled_while_starting_leaks_nothing() -> None:
     await pool.aclose()
 
 
+class SlowStopBackend(CountingBackend):
+    """``stop`` is a call that takes a while (a pod delete, an actor kill, a reap); an
+    instance counts as stopped only once that call has finished."""
+
+    def __init__(self, stop_s: float = 0.3) -> None:
+        super().__init__()
+        self.stop_s = stop_s
+        self.stopping: set[str] = set()
+
+    async def stop(self, instance: EnvInstance) -> None:
+        self.stopping.add(instance.instance_id)
+        try:
+            await asyncio.sleep(self.stop_s)
+        finally:
+            self.stopping.discard(instance.instance_id)
+        self.stopped.append(instance.instance_id)
+
+
+async def test_pool_exit_stops_instances_whose_stop_was_cancelled_midway() -> None:
+    """The owner exits (Ctrl-C) while the maintainer stops retired instances: those
+    stops are cancelled, and aclose stops the instances again, none forgotten."""
+    backend = SlowStopBackend()
+    async with EnvPool(backend, EnvLaunch(env_id="echo-v1"), health_interval_s=60) as pool:
+        for _ in range(3):
+            async with pool.lease() as lease:
+                lease.retire("done with it")
+        await wait_for(lambda: len(backend.stopping) == 3)
+    assert len(backend.started) == 3
+    assert sorted(backend.stopped) == sorted(backend.started)
+
+
 class RefusingBackend(CountingBackend):
     """Every start fails at once, as for an environment no server can build."""
 
@@ -317,6 +352,64 @@ async def test_local_backend_an_environment_not_built_is_its_error_not_a_crash(
         assert "\n" not in str(not_built.value)
         assert await backend.list() == []
     assert list(state.iterdir()) == []
+
+
+def _term_pending(pid: int) -> bool:
+    """Whether a SIGTERM sent to ``pid``'s group waits for it (it is stopped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone already
+        return False
+    for line in status.splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def _kill_leftover(pid: int) -> None:
+    if alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+async def test_local_backend_aclose_reaps_a_server_whose_stop_was_cancelled(
+    tmp_path: Path,
+) -> None:
+    """A stop cancelled between SIGTERM and the server's exit (the controller exits):
+    the backend still knows the server, and aclose reaps it."""
+    backend = LocalProcessBackend(tmp_path / "instances", cwd=ROOT, stop_grace_s=2.0)
+    instance = await backend.start(EnvLaunch(env_id="echo-v1"))
+    pid = int(instance.meta["pid"])
+    try:
+        os.kill(pid, signal.SIGSTOP)  # a server slow to exit: it sees SIGTERM only later
+        stop = asyncio.create_task(backend.stop(instance))
+        await wait_for(lambda: _term_pending(pid))
+        stop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        await backend.aclose()
+        assert not alive(pid)
+    finally:
+        _kill_leftover(pid)
+
+
+async def test_pool_exit_mid_stop_leaves_no_local_server(tmp_path: Path) -> None:
+    """The pool's owner exits while a retired local server is being stopped: the
+    cancelled stop is done again by aclose, and no server process is left."""
+    backend = LocalProcessBackend(tmp_path / "instances", cwd=ROOT, stop_grace_s=2.0)
+    pids: list[int] = []
+    try:
+        async with backend:
+            async with EnvPool(backend, EnvLaunch(env_id="echo-v1")) as pool:
+                async with pool.lease() as lease:
+                    pids.append(int(lease.instance.meta["pid"]))
+                    os.kill(pids[0], signal.SIGSTOP)
+                    lease.retire("hung")
+                await wait_for(lambda: _term_pending(pids[0]))
+            assert not alive(pids[0])  # by the pool's aclose, not the backend's
+    finally:
+        for pid in pids:
+            _kill_leftover(pid)
 
 
 def test_last_words_are_the_exception_that_ends_the_last_traceback() -> None:

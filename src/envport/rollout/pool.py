@@ -248,9 +248,11 @@ class EnvPool:
         self._notify()
 
     async def _stop(self, instance: EnvInstance) -> None:
-        """Stop a retired instance. A failure is logged and counted, never raised: it runs
-        in the maintainer's task group, where it would cancel every rollout."""
-        self._stopping[instance.instance_id] = instance
+        """Stop a retired instance (already in ``_stopping``). A failure is logged and
+        counted, never raised: it runs in the maintainer's task group, where it would
+        cancel every rollout. Cancelled midway (the owner exits), the instance stays in
+        ``_stopping``, so :meth:`aclose` stops it: the backend may have begun to forget
+        it, and nothing else would."""
         try:
             await self.backend.stop(instance)
         except Exception:
@@ -261,8 +263,7 @@ class EnvPool:
                 instance.env_id,
                 exc_info=True,
             )
-        finally:
-            self._stopping.pop(instance.instance_id, None)
+        self._stopping.pop(instance.instance_id, None)
 
     async def _check(self, slot: _Slot) -> None:
         try:
@@ -279,7 +280,11 @@ class EnvPool:
         async with asyncio.TaskGroup() as tg:
             while not self._closed:
                 while self._to_stop:
-                    tg.create_task(self._stop(self._to_stop.pop()))
+                    # Out of ``_to_stop``, into ``_stopping`` in the same step: never in
+                    # neither, where aclose would not see it.
+                    instance = self._to_stop.pop()
+                    self._stopping[instance.instance_id] = instance
+                    tg.create_task(self._stop(instance))
                 now = time.monotonic()
                 if now >= self._warm_after:
                     for _ in range(self.size - self._count()):

@@ -288,9 +288,11 @@ class KubernetesBackend(Backend):
             return False
 
     async def stop(self, instance: EnvInstance) -> None:
-        self._started.pop(instance.instance_id, None)
+        # Forgotten once deleted, not before: a stop cancelled (or failed) midway leaves
+        # the instance for aclose to delete.
         kind = instance.meta.get("kind", "Job")
         await self._delete(instance.instance_id, kind)
+        self._started.pop(instance.instance_id, None)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
         selector = ",".join(
@@ -312,8 +314,7 @@ class KubernetesBackend(Backend):
         return sorted(found, key=lambda i: i.started_at)
 
     async def aclose(self) -> None:
-        started = list(self._started.values())
-        self._started.clear()
+        started = list(self._started.values())  # each forgotten as it is deleted
         try:
             results = await asyncio.gather(*(self.stop(i) for i in started), return_exceptions=True)
         finally:

@@ -264,13 +264,17 @@ class LocalProcessBackend(Backend):
         return self.state_dir / f"{instance_id}.json"
 
     async def _reap(self, instance: EnvInstance) -> None:
+        """Stop the server's process group, then forget it. Forgotten only once it is gone:
+        a reap cancelled midway (the controller exits) leaves the process in ``_procs``
+        and its record on disk, so :meth:`aclose` (or the next controller) reaps it."""
         pid = int(instance.meta.get("pid", 0))
-        proc = self._procs.pop(instance.instance_id, None)
+        proc = self._procs.get(instance.instance_id)
         if pid and (proc is not None or _alive(pid, instance.instance_id)):
             _kill_group(pid, signal.SIGTERM)
             if not await self._wait_gone(pid, instance.instance_id, proc, self.stop_grace_s):
                 _kill_group(pid, signal.SIGKILL)
                 await self._wait_gone(pid, instance.instance_id, proc, 5.0)
+        self._procs.pop(instance.instance_id, None)
         _forget(self.state_dir, instance.instance_id)
 
     @staticmethod
