@@ -8,6 +8,7 @@ import itertools
 import os
 import signal
 import sqlite3
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar
@@ -354,6 +355,17 @@ async def test_local_backend_an_environment_not_built_is_its_error_not_a_crash(
     assert list(state.iterdir()) == []
 
 
+def _stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: a SIGTERM sent before that would be
+    taken first (a lower number) and the server would exit while it is being stopped."""
+    os.kill(pid, signal.SIGSTOP)
+    for _ in range(500):
+        if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T":
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def _term_pending(pid: int) -> bool:
     """Whether a SIGTERM sent to ``pid``'s group waits for it (it is stopped)."""
     try:
@@ -381,7 +393,7 @@ async def test_local_backend_aclose_reaps_a_server_whose_stop_was_cancelled(
     instance = await backend.start(EnvLaunch(env_id="echo-v1"))
     pid = int(instance.meta["pid"])
     try:
-        os.kill(pid, signal.SIGSTOP)  # a server slow to exit: it sees SIGTERM only later
+        _stop_process(pid)  # a server slow to exit: it sees SIGTERM only later
         stop = asyncio.create_task(backend.stop(instance))
         await wait_for(lambda: _term_pending(pid))
         stop.cancel()
@@ -403,7 +415,7 @@ async def test_pool_exit_mid_stop_leaves_no_local_server(tmp_path: Path) -> None
             async with EnvPool(backend, EnvLaunch(env_id="echo-v1")) as pool:
                 async with pool.lease() as lease:
                     pids.append(int(lease.instance.meta["pid"]))
-                    os.kill(pids[0], signal.SIGSTOP)
+                    _stop_process(pids[0])
                     lease.retire("hung")
                 await wait_for(lambda: _term_pending(pids[0]))
             assert not alive(pids[0])  # by the pool's aclose, not the backend's
