@@ -8,11 +8,13 @@ import itertools
 import os
 import signal
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
+import httpx
 import pytest
 
 from envport.errors import EnvportError, UnknownEnvError
@@ -33,6 +35,7 @@ from envport.rollout.backends.local import last_words
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
 from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
 from tests.support.backends import echo
+from tests.support.cli import pythonpath
 from tests.support.processes import alive
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -422,6 +425,109 @@ async def test_pool_exit_mid_stop_leaves_no_local_server(tmp_path: Path) -> None
     finally:
         for pid in pids:
             _kill_leftover(pid)
+
+
+#: A controller that starts one local instance of an environment that takes argv[3]
+#: seconds to build: the tests SIGKILL it while it waits for the server.
+_STARTER = """
+import asyncio, sys
+from envport.rollout import EnvLaunch, LocalProcessBackend
+launch = EnvLaunch(
+    env_id="tests.support.faulty_envs:SlowToBuildEnv",
+    options={"build_s": float(sys.argv[3])},
+    labels={"envport-run": "r"},
+)
+asyncio.run(LocalProcessBackend(sys.argv[1], cwd=sys.argv[2]).start(launch))
+"""
+
+
+async def _starter_killed_mid_start(state: Path, build_s: float) -> EnvInstance:
+    """Run :data:`_STARTER`, SIGKILL it once its server is spawned; that server's record."""
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
+    argv = [sys.executable, "-c", _STARTER, str(state), str(ROOT), str(build_s)]
+    child = await asyncio.create_subprocess_exec(*argv, env=env)
+    try:
+        await wait_for(lambda: _only_record(state) is not None, timeout_s=30)
+        instance = _only_record(state)
+        assert instance is not None
+        # Its starter is alive: another process's start in flight, not touched.
+        assert await LocalProcessBackend(state).list() == []
+        assert alive(int(instance.meta["pid"]))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await child.wait()
+    return instance
+
+
+async def test_local_backend_stops_a_server_whose_starter_was_killed(tmp_path: Path) -> None:
+    """A controller SIGKILLed while its server builds: the server (its own session) lives
+    on, and the next list() finds its record, stops it and forgets it."""
+    state = tmp_path / "instances"
+    state.mkdir()
+    try:
+        instance = await _starter_killed_mid_start(state, build_s=60)
+        pid = int(instance.meta["pid"])
+        assert alive(pid)  # orphaned, still building
+        assert await LocalProcessBackend(state).list({"envport-run": "r"}) == []
+        await wait_for(lambda: not alive(pid))  # gone (its exit may take a moment)
+        assert list(state.iterdir()) == []
+    finally:
+        _kill_servers_in(state)
+
+
+async def test_local_backend_adopts_a_server_that_became_ready_after_its_starter_died(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "instances"
+    state.mkdir()
+    try:
+        instance = await _starter_killed_mid_start(state, build_s=1)
+        pid = int(instance.meta["pid"])
+        port_file = state / f"{instance.instance_id}.port"
+        await wait_for(port_file.exists, timeout_s=60)
+        url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+        async with LocalProcessBackend(state, cwd=ROOT) as backend:
+            await wait_for(lambda: _answers(url), timeout_s=60)
+            (adopted,) = await backend.list({"envport-run": "r"})
+            assert (adopted.instance_id, adopted.url) == (instance.instance_id, url)
+            assert "starting" not in adopted.meta
+            assert await backend.healthy(adopted)
+            assert await echo(adopted, "adopted") == "adopted"
+            (again,) = await backend.list()  # its record is complete now
+            assert again.url == url
+            await backend.stop(adopted)
+        await wait_for(lambda: not alive(pid))  # gone (its exit may take a moment)
+        assert list(state.iterdir()) == []
+    finally:
+        _kill_servers_in(state)
+
+
+def _kill_servers_in(state: Path) -> None:
+    """SIGKILL every server (a process group leader) whose command line names ``state``:
+    what a failed test would otherwise leave running."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not alive(pid := int(entry.name)):
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            if str(state) in cmdline and os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+
+
+def _only_record(state: Path) -> EnvInstance | None:
+    records = list(state.glob("local-*.json"))
+    if not records:
+        return None
+    (record,) = records
+    return EnvInstance.model_validate_json(record.read_text())
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def test_last_words_are_the_exception_that_ends_the_last_traceback() -> None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from envport.env import Env
-from envport.envs.echo import EchoAction, EchoObservation
+from envport.envs.echo import EchoAction, EchoEnv, EchoObservation
 from envport.sandbox import SandboxFailure
 from envport.tools import tool
 from envport.types import Action, StepResult
@@ -141,3 +141,11 @@ class LongCommandEnv(Env[CommandAction, EchoObservation]):
         """
         result = await self.on_step(CommandAction(command=command, timeout_s=timeout_s))
         return result.observation.echoed_message
+
+
+class SlowToBuildEnv(EchoEnv):
+    """Echo that takes ``build_s`` seconds to construct (a big image, a dataset load)."""
+
+    def __init__(self, build_s: float = 0.0, max_steps: int | None = None) -> None:
+        time.sleep(build_s)
+        super().__init__(max_steps=max_steps)

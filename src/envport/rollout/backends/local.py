@@ -14,11 +14,15 @@ is what the in-process backend raises for it: an ``environment`` failure, not re
 A server that crashes otherwise is a :class:`BackendError` whose first line is the
 exception it died of, then the tail of its log.
 
-Each live instance has a small JSON file in ``state_dir`` (its :class:`EnvInstance`,
-pid included). The files outlive the controller on purpose: a controller killed with
-SIGKILL leaves its servers running, and the next one (same ``state_dir``) finds them with
-:meth:`LocalProcessBackend.list` and re-adopts or stops them. A pid is trusted only if
-that process's command line still names the instance id (no pid-reuse accidents).
+Each instance has a small JSON file in ``state_dir`` (its :class:`EnvInstance`, pid
+included), written as soon as its process is spawned, marked ``starting`` (with the
+starting process's pid and start time) until the server is ready. The files outlive the
+controller on purpose: a controller killed with SIGKILL leaves its servers running, and
+the next one (same ``state_dir``) finds them with :meth:`LocalProcessBackend.list` and
+re-adopts or stops them. A server whose starter died before it was ready is re-adopted if
+it answers ``/health`` by then, else stopped and forgotten; one still being started by a
+live process is left to it. A pid is trusted only if that process's command line still
+names the instance id (no pid-reuse accidents).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import ClassVar
 import httpx
 
 from envport.errors import from_wire
+from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
 
 #: The server process's module (:mod:`.instance`; imported by no package ``__init__``).
@@ -130,6 +135,12 @@ def start_failure(
 def _forget(state_dir: Path, instance_id: str) -> None:
     for suffix in (".json", ".log", ".port", ".error"):
         (state_dir / f"{instance_id}{suffix}").unlink(missing_ok=True)
+    (state_dir / f".{instance_id}.json.tmp").unlink(missing_ok=True)
+
+
+#: ``EnvInstance.meta`` key of a record whose server is not ready yet: the starting
+#: process's :func:`~envport.procs.owner_tag`.
+STARTING = "starting"
 
 
 def _kill_group(pgid: int, sig: int) -> None:
@@ -205,12 +216,16 @@ class LocalProcessBackend(Backend):
             env_id=launch.env_id,
             url=None,
             labels=dict(launch.labels),
-            meta={"pid": proc.pid, "log": str(log_path)},
+            meta={"pid": proc.pid, "log": str(log_path), "host": self.host, STARTING: owner_tag()},
         )
         try:
+            # On disk before the wait: killed while it waits, this process leaves a
+            # server that the next list() must be able to find.
+            self._write_record(instance)
             await self._wait_ready(instance, proc, launch.start_timeout_s)
             instance.start_latency_s = time.perf_counter() - t0
-            self._state_file(instance_id).write_text(instance.model_dump_json())
+            del instance.meta[STARTING]
+            self._write_record(instance)
         except BaseException:
             await asyncio.shield(self._reap(instance))
             raise
@@ -263,6 +278,12 @@ class LocalProcessBackend(Backend):
     def _state_file(self, instance_id: str) -> Path:
         return self.state_dir / f"{instance_id}.json"
 
+    def _write_record(self, instance: EnvInstance) -> None:
+        """Write the instance's record whole (a reader never sees half of one)."""
+        tmp = self.state_dir / f".{instance.instance_id}.json.tmp"
+        tmp.write_text(instance.model_dump_json())
+        os.replace(tmp, self._state_file(instance.instance_id))
+
     async def _reap(self, instance: EnvInstance) -> None:
         """Stop the server's process group, then forget it. Forgotten only once it is gone:
         a reap cancelled midway (the controller exits) leaves the process in ``_procs``
@@ -311,9 +332,33 @@ class LocalProcessBackend(Backend):
                 # died with its controller's machine, or killed: its files go too
                 _forget(self.state_dir, instance.instance_id)
                 continue
+            if STARTING in instance.meta and not await self._claim_orphan(instance):
+                continue
             if all(instance.labels.get(k) == v for k, v in want.items()):
                 found.append(instance)
         return found
+
+    async def _claim_orphan(self, instance: EnvInstance) -> bool:
+        """A record of a server that was starting: whether it is now a live instance.
+
+        Its starter still running (this process included), it is that process's start, not
+        an instance yet: not listed, not touched. Its starter gone (killed while it
+        waited), nothing will finish that start: a server that is ready by now is made an
+        instance (its record completed: URL, no ``starting``) and listed; one that is
+        not (still building, hung) is stopped and forgotten.
+        """
+        owner = parse_owner(str(instance.meta[STARTING]))
+        if owner is not None and owner_alive(*owner):
+            return False
+        port = _read_port(self.state_dir / f"{instance.instance_id}.port")
+        if port is not None:
+            instance.url = f"http://{instance.meta.get('host', self.host)}:{port}"
+            if await self._health(instance):
+                del instance.meta[STARTING]
+                self._write_record(instance)
+                return True
+        await self._reap(instance)
+        return False
 
     async def aclose(self) -> None:
         ids = list(self._procs)
