@@ -341,6 +341,30 @@ async def test_a_start_cancelled_while_its_actor_is_created_leaves_no_actor(
     assert await asyncio.to_thread(named) == before
 
 
+async def test_aclose_kills_an_actor_whose_stop_was_cancelled(cluster: RayCluster) -> None:
+    """A stop cancelled during its shutdown call (the controller exits): the backend still
+    owns the actor, and aclose kills it; a detached actor would otherwise live on."""
+
+    def named() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+
+    backend = RayBackend(cluster.address)
+    inst = await backend.start(EnvLaunch(env_id="echo-v1", labels={"run": "r-cancel"}))
+    try:
+        stop = asyncio.create_task(backend.stop(inst))
+        await asyncio.sleep(0)  # the stop runs up to its shutdown call, and waits there
+        assert not stop.done()
+        stop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        await backend.aclose()
+        assert inst.instance_id not in await asyncio.to_thread(named)
+    finally:
+        if inst.instance_id in await asyncio.to_thread(named):  # the assertion failed
+            async with RayBackend(cluster.address) as other:
+                await other.stop(inst)
+
+
 async def test_worker_node_death(backend: RayBackend, cluster: RayCluster) -> None:
     """Kill a worker node: its instance turns unhealthy, stop cleans up, new starts land on
     a live node. Runs last: it takes the victim node away for good."""

@@ -308,15 +308,16 @@ class RayBackend(Backend):
             return False
 
     async def stop(self, instance: EnvInstance) -> None:
+        # Forgotten once killed, not before: a stop cancelled midway (the controller
+        # exits during the shutdown call) leaves the actor for aclose to kill.
         await self._connect()
-        self._started.discard(instance.instance_id)
         handle = await self._handle(instance.instance_id)
-        if handle is None:
-            return
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.call_timeout_s):
-                await asyncio.wrap_future(handle.shutdown.remote().future())
-        await self._kill(instance.instance_id)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.call_timeout_s):
+                    await asyncio.wrap_future(handle.shutdown.remote().future())
+            await self._kill(instance.instance_id)
+        self._started.discard(instance.instance_id)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
         ray = await self._connect()
@@ -353,8 +354,7 @@ class RayBackend(Backend):
     async def aclose(self) -> None:
         failed: list[str] = []
         if self._connected:
-            names = sorted(self._started)
-            self._started.clear()
+            names = sorted(self._started)  # each forgotten as it is killed
             results = await asyncio.gather(
                 *(
                     self.stop(EnvInstance(instance_id=n, backend=self.name, env_id=""))
