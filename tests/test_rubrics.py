@@ -21,6 +21,7 @@ import pytest
 from envport.client.client import EnvClient
 from envport.client.transports import InProcessTransport
 from envport.env import Env
+from envport.envs.shell import FileEncoding, file_bytes
 from envport.policy import ByteTokenizer, Generation, SamplingParams, create_policy_app
 from envport.rubrics import (
     PARAMETERS,
@@ -869,16 +870,17 @@ class ShellEnv(Env[Action, Observation]):
         return await LocalDirHandle(self.workdir).read_file(path)
 
     @tool
-    def write_file(self, path: str, content: str) -> None:
-        """Write a file.
+    def write_file(self, path: str, content: str, encoding: FileEncoding = "utf-8") -> None:
+        """Write a file (as shell-v1's tool does: text, or base64 for any bytes).
 
         Args:
             path: Its path.
             content: Its text.
+            encoding: "utf-8" or "base64".
         """
         target = LocalDirHandle(self.workdir).path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
+        target.write_bytes(file_bytes(content, encoding))
 
 
 async def test_client_handle_runs_commands_through_env_tools(tmp_path: Path) -> None:
@@ -911,6 +913,8 @@ async def test_client_handle_uploads_tests_and_falls_back_to_reward_json(
         """. checks/lib/common.sh; echo '{"reward": 0.9}' > logs/reward.json\n"""
     )
     (task_root / "tests" / "lib" / "common.sh").write_text("mkdir -p logs\n")
+    fixture = bytes(range(256))  # a binary test fixture: not UTF-8 text
+    (task_root / "tests" / "lib" / "fixture.bin").write_bytes(fixture)
     spec = RubricSpec(
         type="test_command",
         params={
@@ -929,6 +933,7 @@ async def test_client_handle_uploads_tests_and_falls_back_to_reward_json(
         )
     assert result.total == 0.9, result.errors
     assert (Env_.workdir / "checks" / "lib" / "common.sh").is_file()
+    assert (Env_.workdir / "checks" / "lib" / "fixture.bin").read_bytes() == fixture
 
 
 # --- llm_judge against a real OpenAI-compatible server -------------------------------------------

@@ -8,6 +8,7 @@ without ``bwrap`` are tested everywhere, by replacing the probe.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import shutil
 import socket
@@ -270,6 +271,15 @@ async def test_file_tools_reach_only_the_workspace_logs_and_tests() -> None:
         assert await env.call_tool("read_file", {"path": "notes/../notes/a.txt"}) == "hé\n"
         await env.call_tool("write_file", {"path": "/logs/agent/log.txt", "content": "ok"})
         assert (await run(env, "cat /logs/agent/log.txt"))["stdout"] == "ok"
+        blob = base64.b64encode(bytes([0, 255, 10, 128])).decode()
+        binary = {"path": "/logs/agent/b.bin", "content": blob, "encoding": "base64"}
+        written = await env.call_tool("write_file", binary)
+        assert written == {"path": "/logs/agent/b.bin", "bytes": 4}
+        od = await run(env, "od -An -tu1 /logs/agent/b.bin")
+        assert od["stdout"].split() == ["0", "255", "10", "128"]
+        with pytest.raises(ToolError, match="not valid base64") as bad:
+            await env.call_tool("write_file", {**binary, "content": "%%%"})
+        assert bad.value.kind == "invalid_args"
         listing = await env.call_tool("list_dir", {})
         assert listing == [{"name": "notes", "type": "dir", "size": None}]
         assert await env.call_tool("list_dir", {"path": "/logs"}) == [

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from envport.env import Env
-from envport.envs.shell import check_files
+from envport.envs.shell import FileEncoding, check_files, file_bytes
 from envport.errors import ActionValidationError, EnvExecutionError, EnvNotResetError, ToolError
 from envport.sandbox import (
     Sandbox,
@@ -284,15 +284,19 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
             ) from exc
 
     @tool
-    async def write_file(self, path: str, content: str) -> dict[str, Any]:
-        """Write a text file in the workspace, creating parent directories.
+    async def write_file(
+        self, path: str, content: str, encoding: FileEncoding = "utf-8"
+    ) -> dict[str, Any]:
+        """Write a file in the workspace, creating parent directories.
 
         Args:
             path: The file's path as commands see it.
             content: The full new content.
+            encoding: "utf-8" (text, the default) or "base64" (any bytes).
         """
+        data = file_bytes(content, encoding)
         try:
-            written = await self._require_tool().write_file(path, content)
+            written = await self._require_tool().write_file(path, data)
         except SandboxPathError as exc:
             raise ToolError(f"Refused: {exc}.", kind="invalid_args") from exc
         except SandboxError as exc:

@@ -47,6 +47,8 @@ ones against the workdir) and reach only the workdir, ``/logs`` and ``/tests``
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import dataclasses
 import os
@@ -58,7 +60,7 @@ import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -66,6 +68,20 @@ from envport.env import AnyAction, Env
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
 from envport.tools import tool
 from envport.types import Action, Observation, StepResult
+
+#: How ``write_file``'s ``content`` is encoded: text, or base64 for any bytes.
+FileEncoding = Literal["utf-8", "base64"]
+
+
+def file_bytes(content: str, encoding: FileEncoding) -> bytes:
+    """``write_file``'s ``content`` as the bytes to write (bad base64: ``invalid_args``)."""
+    if encoding == "base64":
+        try:
+            return base64.b64decode(content, validate=True)
+        except binascii.Error as exc:
+            raise ToolError(f"content is not valid base64: {exc}.", kind="invalid_args") from exc
+    return content.encode("utf-8")
+
 
 #: Bytes of stdout and of stderr kept per command; the rest is counted and dropped.
 MAX_OUTPUT_BYTES = 64 * 1024
@@ -511,18 +527,21 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
         return target.read_text(encoding="utf-8", errors="replace")
 
     @tool
-    def write_file(self, path: str, content: str) -> dict[str, Any]:
-        """Write a text file, creating parent directories (not under /tests: read-only).
+    def write_file(
+        self, path: str, content: str, encoding: FileEncoding = "utf-8"
+    ) -> dict[str, Any]:
+        """Write a file, creating parent directories (not under /tests: read-only).
 
         Args:
             path: The file's path as commands see it.
             content: The full new content.
+            encoding: "utf-8" (text, the default) or "base64" (any bytes).
         """
         target = self._path(path, write=True)
         if target.is_dir():
             raise ToolError(f"Cannot write {path!r}: it is a directory.", kind="execution_error")
+        data = file_bytes(content, encoding)
         target.parent.mkdir(parents=True, exist_ok=True)
-        data = content.encode("utf-8")
         target.write_bytes(data)
         return {"path": path, "bytes": len(data)}
 

@@ -27,6 +27,7 @@ Harbor-style ``test_command`` must place the task's ``tests/`` before running th
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import re
@@ -209,7 +210,8 @@ class ClientHandle:
     ``state`` and ``call_tool`` go through the client. ``run``, ``read_file`` and
     ``upload`` use the environment's tools when it has them — ``run(command,
     timeout_s)`` returning ``exit_code``/``stdout``/``stderr`` (and ``timed_out``),
-    ``read_file(path)``, and ``write_file(path, content)`` once per uploaded file, as
+    ``read_file(path)``, and ``write_file(path, content)`` once per uploaded file (a
+    file that is not UTF-8 as ``content`` in base64 with ``encoding="base64"``), as
     ``shell-v1`` provides — else raise :class:`NotSupportedError`. A ``read_file`` tool
     error that says the file is missing becomes :class:`FileNotFoundError`. Calls are
     serialised: one session answers one request at a time. The client's own call
@@ -258,9 +260,14 @@ class ClientHandle:
 
     async def upload(self, src: Path, dest: str) -> None:
         await self._require("write_file", "upload files")
-        for rel, content in await asyncio.to_thread(_read_tree, src):
+        for rel, data in await asyncio.to_thread(_read_tree, src):
             target = dest if not rel else f"{dest.rstrip('/')}/{rel}"
-            await self.call_tool("write_file", {"path": target, "content": content})
+            try:
+                args = {"path": target, "content": data.decode("utf-8")}
+            except UnicodeDecodeError:  # a binary fixture: base64 (envport's write_file)
+                content = base64.b64encode(data).decode("ascii")
+                args = {"path": target, "content": content, "encoding": "base64"}
+            await self.call_tool("write_file", args)
 
     async def run(self, command: str | Sequence[str], timeout_s: float) -> CommandResult:
         await self._require("run", "run commands")
@@ -290,12 +297,12 @@ class ClientHandle:
 _MISSING = re.compile(r"no such file|not found|does not exist", re.IGNORECASE)
 
 
-def _read_tree(src: Path) -> list[tuple[str, str]]:
-    """``(relative path, text)`` of ``src`` (``""`` for a file) or each file under it."""
+def _read_tree(src: Path) -> list[tuple[str, bytes]]:
+    """``(relative path, bytes)`` of ``src`` (``""`` for a file) or each file under it."""
     if src.is_file():
-        return [("", src.read_text(encoding="utf-8"))]
+        return [("", src.read_bytes())]
     files = sorted(p for p in src.rglob("*") if p.is_file())
-    return [(f.relative_to(src).as_posix(), f.read_text(encoding="utf-8")) for f in files]
+    return [(f.relative_to(src).as_posix(), f.read_bytes()) for f in files]
 
 
 def _shell_join(argv: Sequence[str]) -> str:
