@@ -9,11 +9,17 @@ token data, not as errors.
 
 Failures are classified here, at the boundary: connection errors, HTTP errors and
 malformed responses raise :class:`ModelProviderError`, which the harness records on the
-trace with kind ``model_provider``.
+trace with kind ``model_provider``. A reply is malformed when its first choice has no
+``message`` object, or when ``message.tool_calls`` is not a list of objects whose
+``function`` is an object with a string ``name`` (and whose ``id``, if given, is a string).
+Tool-call ``arguments`` sent as a JSON object rather than the string OpenAI specifies
+(some servers do) are accepted: the message handed back carries them re-encoded as a JSON
+string; the recorded response keeps what the server sent.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -38,6 +44,39 @@ class ModelProviderError(EnvportError):
         #: The failed call as recorded (request, latency, the body that came back, the
         #: error), for the trace; set by :meth:`ChatModel.complete`.
         self.call: ModelCall | None = None
+
+
+def _checked_message(message: Any) -> dict[str, Any]:
+    """The reply's message, its tool calls checked (``TypeError`` naming what is wrong)
+    and object ``arguments`` re-encoded as the JSON string OpenAI specifies."""
+    if not isinstance(message, dict):
+        raise TypeError("message is not an object")
+    if not isinstance(message.get("content"), (str, list, type(None))):
+        raise TypeError("message.content is neither a string, a list nor null")
+    raw_calls = message.get("tool_calls")
+    if raw_calls is None:
+        return message
+    if not isinstance(raw_calls, list):
+        raise TypeError("message.tool_calls is not a list")
+    calls = []
+    for i, raw in enumerate(raw_calls):
+        where = f"message.tool_calls[{i}]"
+        if not isinstance(raw, dict):
+            raise TypeError(f"{where} is not an object")
+        if raw.get("id") is not None and not isinstance(raw["id"], str):
+            raise TypeError(f"{where}.id is not a string")
+        fn = raw.get("function")
+        if not isinstance(fn, dict):
+            raise TypeError(f"{where}.function is not an object")
+        if not isinstance(fn.get("name"), str):
+            raise TypeError(f"{where}.function.name is not a string")
+        args = fn.get("arguments")
+        if isinstance(args, dict):
+            fn = {**fn, "arguments": json.dumps(args, ensure_ascii=False)}
+        elif args is not None and not isinstance(args, str):
+            raise TypeError(f"{where}.function.arguments is neither a string nor an object")
+        calls.append({**raw, "function": fn})
+    return {**message, "tool_calls": calls}
 
 
 class ChatModel:
@@ -130,18 +169,16 @@ class ChatModel:
             )
         try:
             payload = orjson.loads(response.content)
-            first = payload["choices"][0]
-            message = first["message"]
-            if not isinstance(message, dict):
-                raise TypeError("message is not an object")
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+            message = _checked_message(payload["choices"][0]["message"])
+            # One parser of vLLM's token fields for the whole project (the gateway's).
+            choices, prompt_ids, usage, token_data = parse_response(payload)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+            why = f" ({exc})" if isinstance(exc, TypeError) and str(exc) else ""
             raise failed(
-                f"Model endpoint returned an invalid completion: {response.text[:300]!r}",
+                f"Model endpoint returned an invalid completion{why}: {response.text[:300]!r}",
                 status=response.status_code,
                 got=response.text,
             ) from exc
-        # One parser of vLLM's token fields for the whole project (the gateway's).
-        choices, prompt_ids, usage, token_data = parse_response(payload)
         call = ModelCall(
             model=self.model,
             response_model=payload.get("model"),

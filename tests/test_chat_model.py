@@ -1,0 +1,141 @@
+"""The built-in agent's model client and the agent's handling of what the model sends:
+malformed replies, unusable tool-call arguments, sampling parameters, retries."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from envport.client import EnvClient
+from envport.harness import AgentConfig, ChatModel, ModelProviderError, ToolCallingAgent
+from envport.tasks import Task
+from envport.trace import ErrorKind, Trace
+
+Reply = tuple[int, Any]
+
+
+def scripted(replies: list[Reply], **kwargs: Any) -> tuple[ChatModel, list[dict[str, Any]]]:
+    """A ChatModel whose endpoint answers ``replies`` in order; the requests it got."""
+    pending = iter(replies)
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        status, body = next(pending)
+        if isinstance(body, bytes):
+            return httpx.Response(status, content=body)
+        return httpx.Response(status, json=body)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return ChatModel("http://model.test/v1", "m", client=client, **kwargs), seen
+
+
+def completion(message: Any) -> dict[str, Any]:
+    return {
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
+def guess_call(arguments: Any, call_id: str = "c1") -> dict[str, Any]:
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "guess", "arguments": arguments},
+    }
+
+
+def calling(*calls: Any) -> dict[str, Any]:
+    return completion({"role": "assistant", "content": None, "tool_calls": list(calls)})
+
+
+async def run_guess(model: ChatModel, max_turns: int = 1) -> Trace:
+    """One guessing-game episode; an exception the agent raises is kept on
+    ``trace.metadata["raised"]``."""
+    task = Task(
+        id="g",
+        prompt="Guess my number between 1 and 100.",
+        env_id="guess-number-v1",
+        seed=1,
+        env_options={"max_steps": 5},
+    )
+    trace = Trace(task_id=task.id)
+    async with EnvClient.connect("guess-number-v1") as env:
+        agent = ToolCallingAgent(model, AgentConfig(max_turns=max_turns))
+        try:
+            await agent.run(task, env, trace)
+        except Exception as exc:  # the test looks at what was raised
+            trace.metadata["raised"] = exc
+    return trace
+
+
+# --- malformed replies are the provider's, not the agent's -------------------------------
+
+
+async def test_object_arguments_are_accepted_as_their_json_string() -> None:
+    model, _ = scripted([(200, calling(guess_call({"number": 5})))])
+    call, message = await model.complete([{"role": "user", "content": "hi"}])
+    assert message["tool_calls"][0]["function"]["arguments"] == '{"number": 5}'
+    # The recorded response is what the server sent.
+    assert call.response is not None
+    sent = call.response["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert sent["arguments"] == {"number": 5}
+
+    model, _ = scripted([(200, calling(guess_call({"number": 5})))])
+    trace = await run_guess(model)
+    assert "raised" not in trace.metadata
+    (step,) = trace.steps
+    assert step.action["arguments"] == {"number": 5}
+    assert trace.messages[-1].role == "tool"
+    assert not trace.messages[-1].content.startswith("Error")
+
+
+BAD_MESSAGES: dict[str, Any] = {
+    "null-tool-call": {"role": "assistant", "content": "hi", "tool_calls": [None]},
+    "tool-calls-not-a-list": {"role": "assistant", "content": None, "tool_calls": {"id": "c"}},
+    "function-not-an-object": {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "type": "function", "function": "guess"}],
+    },
+    "no-name": {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"arguments": "{}"}}],
+    },
+    "name-not-a-string": {
+        "role": "assistant",
+        "tool_calls": [{"id": "c1", "function": {"name": 7, "arguments": "{}"}}],
+    },
+    "arguments-a-number": {"role": "assistant", "tool_calls": [guess_call(5)]},
+    "id-not-a-string": {"role": "assistant", "tool_calls": [guess_call("{}", call_id=3)]},  # type: ignore[arg-type]
+    "content-a-number": {"role": "assistant", "content": 5},
+    "null-message": None,
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_MESSAGES.values()), ids=list(BAD_MESSAGES))
+async def test_a_malformed_reply_is_a_model_provider_error_with_its_call(message: Any) -> None:
+    model, _ = scripted([(200, completion(message))])
+    with pytest.raises(ModelProviderError, match="invalid completion") as caught:
+        await model.complete([{"role": "user", "content": "hi"}])
+    assert caught.value.retryable is False
+    call = caught.value.call
+    assert call is not None
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert call.request is not None
+    assert call.request["messages"]
+    assert call.metadata["body"]  # the unusable answer, kept
+
+
+async def test_the_agent_records_a_malformed_reply_as_the_provider_s_failure() -> None:
+    """A null entry in tool_calls used to crash the agent (AttributeError, kind harness)."""
+    model, _ = scripted([(200, calling(None))])
+    trace = await run_guess(model)
+    assert isinstance(trace.metadata["raised"], ModelProviderError)
+    (call,) = trace.model_calls
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.MODEL_PROVIDER
+    assert trace.steps == []
