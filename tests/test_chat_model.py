@@ -139,3 +139,67 @@ async def test_the_agent_records_a_malformed_reply_as_the_provider_s_failure() -
     assert call.error is not None
     assert call.error.kind is ErrorKind.MODEL_PROVIDER
     assert trace.steps == []
+
+
+# --- tool-call arguments that are not a JSON object never reach the environment ----------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "why"),
+    [
+        ('{"number": 5', "Expecting ',' delimiter"),  # cut off at max_tokens
+        ("[5]", "got an array"),
+        ('"5"', "got a string"),
+        ("5", "got a number"),
+    ],
+    ids=["truncated", "array", "string", "number"],
+)
+async def test_arguments_that_are_not_an_object_are_answered_not_run(
+    arguments: str, why: str
+) -> None:
+    model, seen = scripted(
+        [(200, calling(guess_call(arguments))), (200, calling(guess_call('{"number": 5}', "c2")))]
+    )
+    trace = await run_guess(model, max_turns=2)
+    assert "raised" not in trace.metadata
+    assert trace.stop_reason == "max_turns"
+    refused, ran = trace.steps
+    # The first call never reached the environment; its error is where the env's would be.
+    assert refused.info == {"sent_to_env": False}
+    assert refused.tool_call_id == "c1"
+    assert refused.action == {"type": "call_tool", "tool_name": "guess", "raw_arguments": arguments}
+    assert refused.observation["error"]["error_type"] == "invalid_args"
+    assert refused.reward is None
+    # The second is the environment's first guess: the refused one was not counted there.
+    assert ran.action["arguments"] == {"number": 5}
+    assert ran.observation["error"] is None
+    assert ran.observation["result"]["data"]["attempts_used"] == 1
+    # The model read the error as that call's tool message before its next turn.
+    tool = next(m for m in trace.messages if m.role == "tool")
+    assert tool.tool_call_id == "c1"
+    assert tool.content.startswith("Error (invalid_args): the arguments are not a JSON object: ")
+    assert why in tool.content
+    assert seen[1]["messages"][-1] == {
+        "role": "tool",
+        "content": tool.content,
+        "tool_call_id": "c1",
+    }
+
+
+async def test_one_bad_call_among_several_is_refused_alone() -> None:
+    model, _ = scripted(
+        [(200, calling(guess_call('{"number": 5', "a"), guess_call('{"number": 50}', "b")))]
+    )
+    trace = await run_guess(model)
+    assert [s.info.get("sent_to_env", True) for s in trace.steps] == [False, True]
+    assert [m.tool_call_id for m in trace.messages if m.role == "tool"] == ["a", "b"]
+    assert trace.steps[1].observation["result"]["data"]["last_guess"] == 50
+
+
+async def test_no_arguments_at_all_is_the_empty_object() -> None:
+    """A tool without parameters may get ``""`` or no ``arguments``: that is ``{}``."""
+    model, _ = scripted([(200, calling(guess_call("")))])
+    trace = await run_guess(model)
+    (step,) = trace.steps
+    assert step.action["arguments"] == {}
+    assert "sent_to_env" not in step.info

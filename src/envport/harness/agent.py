@@ -6,6 +6,11 @@ going into the action's one required field (``{"answer": "42"}``). Each model ca
 message (with its parent), and each step lands in the trace as it happens, so a run that
 fails midway still shows everything up to the failure.
 
+A tool call whose arguments are not a JSON object (cut off at ``max_tokens``, or an array,
+a number) is not sent to the environment: the model reads an ``invalid_args`` error as
+that call's tool message, and the trace records it as a step that did not reach the
+environment (``info["sent_to_env"]`` false); the turn counts toward ``max_turns``.
+
 Stop conditions, recorded as ``trace.stop_reason``: ``terminated`` / ``truncated`` (the
 environment ended the episode), ``max_turns``, ``token_budget``, ``no_action`` (the model
 answered in text where only tools can act).
@@ -63,6 +68,21 @@ def text_action_field(action_schema: dict[str, Any]) -> str | None:
         return str(required[0])
     props = [p for p in action_schema.get("properties", {}) if p != "metadata"]
     return str(props[0]) if len(props) == 1 else None
+
+
+def parse_arguments(text: str | None) -> tuple[dict[str, Any], str | None]:
+    """A tool call's arguments string as an object, or ``({}, why)`` when it is not one.
+    No arguments at all (``None`` or ``""``) is the empty object."""
+    if not text:
+        return {}, None
+    try:
+        args = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return {}, str(exc)
+    if not isinstance(args, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        return {}, f"got {kind.get(type(args), 'a number')}"
+    return args, None
 
 
 def _tool_schemas(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -164,19 +184,16 @@ class ToolCallingAgent:
 
     def _assistant_message(self, trace: Trace, reply: dict[str, Any], call_id: str) -> Message:
         calls = []
+        # ChatModel has checked the shape: a list of objects, each function an object with
+        # a string name, its arguments a string or absent.
         for raw in reply.get("tool_calls") or []:
-            fn = raw.get("function", {})
+            fn = raw["function"]
             text = fn.get("arguments") or "{}"
-            try:
-                args = json.loads(text)
-                if not isinstance(args, dict):
-                    args = {"value": args}
-            except json.JSONDecodeError:
-                args = {}
+            args, _ = parse_arguments(text)
             calls.append(
                 ToolCall(
-                    id=raw.get("id", ""),
-                    name=fn.get("name", ""),
+                    id=raw.get("id") or "",
+                    name=fn["name"],
                     arguments=args,
                     raw_arguments=text,
                 )
@@ -215,6 +232,10 @@ class ToolCallingAgent:
 
     async def _run_tools(self, env: EnvClient, trace: Trace, assistant: Message) -> str | None:
         for tc in assistant.tool_calls:
+            _, invalid = parse_arguments(tc.raw_arguments)
+            if invalid is not None:
+                self._refuse_call(trace, tc, f"the arguments are not a JSON object: {invalid}")
+                continue
             action = {"type": "call_tool", "tool_name": tc.name, "arguments": tc.arguments}
             result = await self._record_step(
                 env, trace, action, tool_name=tc.name, tool_call_id=tc.id
@@ -237,6 +258,35 @@ class ToolCallingAgent:
             if result.done:
                 return "truncated" if result.truncated else "terminated"
         return None
+
+    @staticmethod
+    def _refuse_call(trace: Trace, tc: ToolCall, why: str) -> None:
+        """A call not sent to the environment: recorded as a step that did not reach it
+        (the error where the environment's would be), answered with the error."""
+        error = {"error_type": "invalid_args", "message": why}
+        trace.steps.append(
+            StepRecord(
+                index=len(trace.steps),
+                action={
+                    "type": "call_tool",
+                    "tool_name": tc.name,
+                    "raw_arguments": tc.raw_arguments,
+                },
+                observation={"tool_name": tc.name, "result": None, "error": error},
+                tool_name=tc.name,
+                tool_call_id=tc.id,
+                info={"sent_to_env": False},
+            )
+        )
+        trace.append_message(
+            Message(
+                role="tool",
+                content=f"Error (invalid_args): {why}",
+                tool_call_id=tc.id,
+                name=tc.name,
+                parent_id=trace.messages[-1].id,
+            )
+        )
 
     async def _text_step(
         self, env: EnvClient, trace: Trace, field: str, assistant: Message
