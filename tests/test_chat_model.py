@@ -203,3 +203,48 @@ async def test_no_arguments_at_all_is_the_empty_object() -> None:
     (step,) = trace.steps
     assert step.action["arguments"] == {}
     assert "sent_to_env" not in step.info
+
+
+# --- sampling parameters in OpenAI's forms ------------------------------------------------
+
+
+def answer(text: str = "5") -> dict[str, Any]:
+    return {
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+        ]
+    }
+
+
+async def test_a_string_stop_is_sent_as_given_and_recorded_as_a_list() -> None:
+    """OpenAI accepts ``stop`` as one string; every successful call used to fail while
+    being recorded (SamplingParams.stop is a list)."""
+    model, seen = scripted(
+        [(200, answer()), (200, answer())],
+        sampling={"stop": "\n", "temperature": None, "max_completion_tokens": 7},
+    )
+    for _ in range(2):
+        call, message = await model.complete([{"role": "user", "content": "2+3?"}])
+        assert message["content"] == "5"
+        assert call.sampling.stop == ["\n"]
+        assert call.sampling.max_tokens == 7
+    assert all(body["stop"] == "\n" for body in seen)  # sent in the form it was given
+
+
+async def test_a_failed_call_records_its_sampling_in_the_same_forms() -> None:
+    model, _ = scripted([(400, {"error": "no"})], sampling={"stop": "\n"})
+    with pytest.raises(ModelProviderError) as caught:
+        await model.complete([{"role": "user", "content": "hi"}])
+    assert caught.value.call is not None
+    assert caught.value.call.sampling.stop == ["\n"]
+
+
+@pytest.mark.parametrize("stream", [True, "yes"])
+def test_stream_is_refused_when_the_client_is_built(stream: Any) -> None:
+    with pytest.raises(ModelProviderError, match="'stream' cannot be set"):
+        ChatModel("http://model.test/v1", "m", sampling={"stream": stream})
+    ChatModel("http://model.test/v1", "m", sampling={"stream": False})  # the default: fine

@@ -15,6 +15,11 @@ trace with kind ``model_provider``. A reply is malformed when its first choice h
 Tool-call ``arguments`` sent as a JSON object rather than the string OpenAI specifies
 (some servers do) are accepted: the message handed back carries them re-encoded as a JSON
 string; the recorded response keeps what the server sent.
+
+``sampling`` is sent as given (OpenAI's forms, e.g. ``stop`` as one string or a list) and
+recorded normalised, as the gateway records it (:func:`envport.gateway.capture.sampling_from`:
+a string ``stop`` becomes a list, values that do not fit the schema are left out of the
+record). The client reads whole responses, so ``stream`` is refused when it is built.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import httpx
 import orjson
 
 from envport.errors import EnvportError
-from envport.gateway.capture import parse_response
-from envport.trace import ErrorKind, ModelCall, SamplingParams, TraceError
+from envport.gateway.capture import parse_response, sampling_from
+from envport.trace import ErrorKind, ModelCall, TraceError
 
 _KEPT_BODY = 4096  # characters of a failed answer's body kept on its recorded call
 
@@ -96,6 +101,11 @@ class ChatModel:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.sampling = dict(sampling or {})
+        if self.sampling.get("stream"):
+            raise ModelProviderError(
+                "ChatModel reads whole responses: 'stream' cannot be set in its sampling "
+                "parameters (drop it, or set it to false)"
+            )
         self.request_token_data = request_token_data
         headers = {"Authorization": f"Bearer {api_key or 'envport'}"}
         self._client = client or httpx.AsyncClient(
@@ -126,7 +136,8 @@ class ChatModel:
         started = datetime.now(UTC)
         t0 = time.perf_counter()
         url = f"{self.base_url}/chat/completions"
-        known = SamplingParams.model_fields
+        # Recorded as the gateway records it: OpenAI's forms accepted (a string ``stop``).
+        sampling = sampling_from(body, "chat")
 
         def failed(
             message: str, *, status: int | None = None, retryable: bool = False, got: str = ""
@@ -137,7 +148,7 @@ class ChatModel:
                 model=self.model,
                 endpoint=url,
                 api="chat.completions",
-                sampling=SamplingParams(**{k: v for k, v in body.items() if k in known}),
+                sampling=sampling,
                 request=body,
                 started_at=started,
                 latency_s=time.perf_counter() - t0,
@@ -184,7 +195,7 @@ class ChatModel:
             response_model=payload.get("model"),
             endpoint=url,
             api="chat.completions",
-            sampling=SamplingParams(**{k: v for k, v in body.items() if k in known}),
+            sampling=sampling,
             request=body,
             response=payload,
             choices=choices,
