@@ -248,3 +248,123 @@ def test_stream_is_refused_when_the_client_is_built(stream: Any) -> None:
     with pytest.raises(ModelProviderError, match="'stream' cannot be set"):
         ChatModel("http://model.test/v1", "m", sampling={"stream": stream})
     ChatModel("http://model.test/v1", "m", sampling={"stream": False})  # the default: fine
+
+
+# --- retries, against a real HTTP server --------------------------------------------------
+
+
+class Script:
+    """A chat endpoint on a real socket answering ``(status, headers, delay_s)`` in turn
+    (the last one repeated): 200 is a completion, anything else an error body."""
+
+    def __init__(self, *answers: tuple[int, dict[str, str], float]) -> None:
+        self.answers = list(answers)
+        self.requests = 0
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        async def chat(request: Request) -> JSONResponse:
+            import asyncio
+
+            await request.body()
+            status, headers, delay = self.answers[min(self.requests, len(self.answers) - 1)]
+            self.requests += 1
+            await asyncio.sleep(delay)
+            if status == 200:
+                return JSONResponse(answer("ok"))
+            return JSONResponse({"error": {"message": f"status {status}"}}, status, headers)
+
+        return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+FAST = {"backoff_s": 0.001, "max_backoff_s": 0.01}
+
+
+async def chat_via(script: Script, **kwargs: Any) -> tuple[Any, Any]:
+    """Run one completion against ``script``; (the call, None) or (None, the error)."""
+    from envport.serving import serve_in_thread
+
+    with serve_in_thread(script.app()) as url:
+        model = ChatModel(url + "/v1", "m", **kwargs)
+        try:
+            call, _ = await model.complete([{"role": "user", "content": "hi"}])
+        except ModelProviderError as exc:
+            return None, exc
+        finally:
+            await model.aclose()
+    return call, None
+
+
+async def test_a_429_is_retried_and_the_retry_recorded() -> None:
+    script = Script((429, {}, 0), (200, {}, 0))
+    call, error = await chat_via(script, **FAST)
+    assert error is None
+    assert script.requests == 2
+    assert call.metadata["retries"] == 1
+    assert "HTTP 429" in call.metadata["retry_errors"][0]
+    assert call.error is None
+
+
+async def test_retry_after_in_seconds_is_honoured_and_capped() -> None:
+    import time
+
+    script = Script((503, {"Retry-After": "0.3"}, 0), (200, {}, 0))
+    t0 = time.monotonic()
+    call, error = await chat_via(script, **{**FAST, "max_backoff_s": 5.0})
+    assert error is None
+    assert call.metadata["retries"] == 1
+    assert time.monotonic() - t0 >= 0.3  # waited as asked, not the tiny backoff
+    # A wait the server asks for beyond max_backoff_s is cut to it.
+    script = Script((429, {"Retry-After": "3600"}, 0), (200, {}, 0))
+    t0 = time.monotonic()
+    call, error = await chat_via(script, **FAST)
+    assert error is None
+    assert time.monotonic() - t0 < 30
+
+
+async def test_5xx_past_the_budget_fails_retryable_with_the_count() -> None:
+    script = Script((500, {}, 0))
+    call, error = await chat_via(script, **FAST, max_retries=2)
+    assert call is None
+    assert script.requests == 3
+    assert error.retryable is True
+    assert error.status == 500
+    assert error.call.metadata["retries"] == 2
+    assert len(error.call.metadata["retry_errors"]) == 2
+    assert error.call.error.retryable is True
+
+
+async def test_a_timeout_is_retried() -> None:
+    script = Script((200, {}, 1.0), (200, {}, 0))
+    call, error = await chat_via(script, **FAST, timeout_s=0.3)
+    assert error is None
+    assert script.requests == 2
+    assert "timed out" in call.metadata["retry_errors"][0]
+
+
+@pytest.mark.parametrize(
+    ("answers", "kwargs"),
+    [
+        ([(400, {}, 0)], FAST),  # not retryable
+        ([(500, {}, 0)], {**FAST, "max_retries": 0}),
+        ([(500, {}, 0)], {**FAST, "retry_window_s": 0}),  # no retry starts past the window
+    ],
+    ids=["400", "no-retries", "window-over"],
+)
+async def test_no_retry(answers: list[Any], kwargs: dict[str, Any]) -> None:
+    script = Script(*answers)
+    call, error = await chat_via(script, **kwargs)
+    assert call is None
+    assert script.requests == 1
+    assert "retries" not in error.call.metadata
+
+
+@pytest.mark.parametrize("url", ["localhost:1/v1", "127.0.0.1:8000/v1", "http://", "ftp://h/v1"])
+def test_a_url_without_http_scheme_or_host_is_refused_when_built(url: str) -> None:
+    with pytest.raises(ModelProviderError, match="not an http\\(s\\) URL") as caught:
+        ChatModel(url, "m")
+    assert caught.value.retryable is False

@@ -32,8 +32,14 @@ def model_url(policy_app: Any) -> Iterator[str]:
         yield url + "/v1"
 
 
-async def run(tasks: list[Task], url: str, db: Path, **config: Any) -> tuple[Any, list[Any]]:
-    model = ChatModel(url, "scripted")
+#: The model client's retry waits, made tiny.
+FAST_RETRIES = {"backoff_s": 0.001, "max_backoff_s": 0.01}
+
+
+async def run(
+    tasks: list[Task], url: str, db: Path, chat: dict[str, Any] | None = None, **config: Any
+) -> tuple[Any, list[Any]]:
+    model = ChatModel(url, "scripted", **(chat or {}))
     try:
         async with AsyncTraceStore(SQLiteTraceStore(db)) as store:
             evaluator = Evaluator(model, store, EvalConfig(**config))
@@ -97,11 +103,16 @@ async def test_tool_env_over_real_env_servers(model_url: str, tmp_path: Path) ->
 async def test_model_endpoint_down_is_a_classified_failure(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"
     tasks = list(load("builtin:arithmetic").head(3))
-    summary, traces = await run(tasks, url, tmp_path / "t.db")
+    summary, traces = await run(tasks, url, tmp_path / "t.db", chat=FAST_RETRIES)
     assert summary.failed == 3
     assert summary.completed == 0
     assert summary.errors_by_kind == {"model_provider": 3}
     assert all(t.reward is None for t in traces)  # never scored as 0
+    for trace in traces:  # retried to the client's limit first
+        (call,) = trace.model_calls
+        assert call.metadata["retries"] == 3
+        assert call.error is not None
+        assert call.error.retryable
 
 
 @pytest.mark.parametrize("fault", ["garbage", "500", "cut-stream"])
@@ -109,8 +120,12 @@ async def test_model_garbage_and_errors(
     fault: str, policy_app: Any, model_url: str, tmp_path: Path
 ) -> None:
     tasks = list(load("builtin:arithmetic").head(4))
-    policy_app.state.faults.push(fault, times=1)
-    summary, traces = await run(tasks, model_url, tmp_path / "t.db", concurrency=1)
+    # A failure the client retries fails the rollout once it has been retried 3 times.
+    retried = fault != "garbage"
+    policy_app.state.faults.push(fault, times=4 if retried else 1)
+    summary, traces = await run(
+        tasks, model_url, tmp_path / "t.db", chat=FAST_RETRIES, concurrency=1
+    )
     assert summary.failed == 1
     assert summary.completed == 3
     (bad,) = [t for t in traces if t.status is TraceStatus.FAILED]
@@ -123,6 +138,7 @@ async def test_model_garbage_and_errors(
     assert failed.request is not None
     assert failed.request["messages"]
     assert failed.choices == []
+    assert failed.metadata.get("retries") == (3 if retried else None)
     if fault == "500":
         assert failed.metadata["status"] == 500
         assert "Injected fault" in failed.metadata["body"]
@@ -135,6 +151,20 @@ async def test_model_garbage_and_errors(
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(transcript(bad))
     assert "model call failed" in console.export_text()
+
+
+async def test_a_rate_limited_call_is_retried_and_the_rollout_completes(
+    policy_app: Any, model_url: str, tmp_path: Path
+) -> None:
+    tasks = list(load("builtin:arithmetic").head(1))
+    policy_app.state.faults.push("429", times=2)
+    summary, traces = await run(tasks, model_url, tmp_path / "t.db", chat=FAST_RETRIES)
+    assert summary.completed == 1
+    (trace,) = traces
+    (call,) = trace.model_calls
+    assert call.error is None
+    assert call.metadata["retries"] == 2
+    assert all("HTTP 429" in e for e in call.metadata["retry_errors"])
 
 
 async def test_unknown_env_and_crashing_env_do_not_stop_the_batch(

@@ -20,11 +20,22 @@ string; the recorded response keeps what the server sent.
 recorded normalised, as the gateway records it (:func:`envport.gateway.capture.sampling_from`:
 a string ``stop`` becomes a list, values that do not fit the schema are left out of the
 record). The client reads whole responses, so ``stream`` is refused when it is built.
+
+Retryable failures (timeouts, connection errors, HTTP 408, 429 and 5xx) are retried, up to
+``max_retries`` times, after an exponential backoff with jitter (``backoff_s`` doubled each
+time, each wait scaled by a random factor in [0.5, 1]) or the ``Retry-After`` a 429/503
+gives in seconds, whichever is longer; a wait is capped at ``max_backoff_s``. No retry
+starts ``retry_window_s`` after the first attempt began, so a slow failure (a timeout at
+``timeout_s``) is not retried past a harness's deadline. The call recorded in the end
+carries ``metadata["retries"]`` (with ``retry_errors``, what each retried attempt got)
+when there were retries; the error raised after the last keeps its ``retryable``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -34,7 +45,7 @@ import orjson
 
 from envport.errors import EnvportError
 from envport.gateway.capture import parse_response, sampling_from
-from envport.trace import ErrorKind, ModelCall, TraceError
+from envport.trace import ErrorKind, ModelCall, SamplingParams, TraceError
 
 _KEPT_BODY = 4096  # characters of a failed answer's body kept on its recorded call
 
@@ -42,10 +53,19 @@ _KEPT_BODY = 4096  # characters of a failed answer's body kept on its recorded c
 class ModelProviderError(EnvportError):
     """The model endpoint was unreachable, failed, or answered something unusable."""
 
-    def __init__(self, message: str, *, status: int | None = None, retryable: bool = False):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        retryable: bool = False,
+        retry_after_s: float | None = None,
+    ):
         super().__init__(message, status=status, retryable=retryable)
         self.status = status
         self.retryable = retryable
+        #: The wait the server asked for (``Retry-After`` in seconds), if it gave one.
+        self.retry_after_s = retry_after_s
         #: The failed call as recorded (request, latency, the body that came back, the
         #: error), for the trace; set by :meth:`ChatModel.complete`.
         self.call: ModelCall | None = None
@@ -84,6 +104,22 @@ def _checked_message(message: Any) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds; an HTTP date or anything else is not honoured."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _heartbeat() -> None:
+    """A failed attempt is a sign of life: tell a rollout controller, if one runs us."""
+    from envport.rollout.controller import heartbeat
+
+    heartbeat()
+
+
 class ChatModel:
     """``POST {base_url}/chat/completions`` with token ids and logprobs requested."""
 
@@ -97,7 +133,26 @@ class ChatModel:
         sampling: dict[str, Any] | None = None,
         request_token_data: bool = True,
         client: httpx.AsyncClient | None = None,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        retry_window_s: float = 60.0,
     ) -> None:
+        try:
+            parsed = httpx.URL(base_url)
+        except httpx.InvalidURL:
+            parsed = httpx.URL()
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ModelProviderError(
+                f"Model endpoint URL {base_url!r} is not an http(s) URL with a host "
+                "(e.g. http://localhost:8000/v1)"
+            )
+        if max_retries < 0 or backoff_s < 0 or max_backoff_s < 0 or retry_window_s < 0:
+            raise ValueError("max_retries and the backoff times cannot be negative")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retry_window_s = retry_window_s
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.sampling = dict(sampling or {})
@@ -128,22 +183,61 @@ class ChatModel:
             body.setdefault("return_token_ids", True)
         return body
 
+    def _backoff(self, retries: int, retry_after_s: float | None) -> float:
+        """The wait before retry number ``retries + 1``."""
+        delay = min(self.max_backoff_s, self.backoff_s * 2.0**retries) * random.uniform(0.5, 1.0)
+        if retry_after_s is not None:
+            delay = max(delay, retry_after_s)
+        return min(delay, self.max_backoff_s)
+
     async def complete(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> tuple[ModelCall, dict[str, Any]]:
-        """One chat completion; returns the recorded call and the first choice's message."""
+        """One chat completion; returns the recorded call and the first choice's message.
+        Retryable failures are retried (see the module's notes); the last one is raised."""
         body = self.build_request(messages, tools)
+        # Recorded as the gateway records it: OpenAI's forms accepted (a string ``stop``).
+        sampling = sampling_from(body, "chat")
+        first = time.monotonic()
+        errors: list[str] = []
+        while True:
+            try:
+                call, message = await self._attempt(body, sampling)
+            except ModelProviderError as exc:
+                wait = self._backoff(len(errors), exc.retry_after_s)
+                late = time.monotonic() - first + wait > self.retry_window_s
+                if not exc.retryable or len(errors) >= self.max_retries or late:
+                    if errors and exc.call is not None:
+                        exc.call.metadata.update(retries=len(errors), retry_errors=errors)
+                    raise
+                errors.append(str(exc)[:300])
+                _heartbeat()
+                await asyncio.sleep(wait)
+                continue
+            if errors:
+                call.metadata.update(retries=len(errors), retry_errors=errors)
+            return call, message
+
+    async def _attempt(
+        self, body: dict[str, Any], sampling: SamplingParams
+    ) -> tuple[ModelCall, dict[str, Any]]:
+        """One request, recorded; a failure raised as :class:`ModelProviderError`."""
         started = datetime.now(UTC)
         t0 = time.perf_counter()
         url = f"{self.base_url}/chat/completions"
-        # Recorded as the gateway records it: OpenAI's forms accepted (a string ``stop``).
-        sampling = sampling_from(body, "chat")
 
         def failed(
-            message: str, *, status: int | None = None, retryable: bool = False, got: str = ""
+            message: str,
+            *,
+            status: int | None = None,
+            retryable: bool = False,
+            got: str = "",
+            retry_after_s: float | None = None,
         ) -> ModelProviderError:
             """The error to raise, carrying the call as it went (for the trace)."""
-            error = ModelProviderError(message, status=status, retryable=retryable)
+            error = ModelProviderError(
+                message, status=status, retryable=retryable, retry_after_s=retry_after_s
+            )
             error.call = ModelCall(
                 model=self.model,
                 endpoint=url,
@@ -177,6 +271,7 @@ class ChatModel:
                 status=response.status_code,
                 retryable=response.status_code in (408, 429) or response.status_code >= 500,
                 got=response.text,
+                retry_after_s=_retry_after(response),
             )
         try:
             payload = orjson.loads(response.content)
