@@ -116,7 +116,7 @@ async def test_token_chat_model_records_exact_ids_and_infers_finish_reasons() ->
         seen.append(prompt_ids)
         return Generated([*answer, IM_END], [-0.5] * (len(answer) + 1))
 
-    model = TokenChatModel(engine, TOK, sampling={"temperature": 0.5})
+    model = TokenChatModel(engine, TOK, sampling={"temperature": 0.5, "stop": "\n\n"})
     messages = [{"role": "user", "content": "go"}]
     tools = [{"type": "function", "function": {"name": "guess", "parameters": {}}}]
     call, message = await model.complete(messages, tools)
@@ -125,6 +125,7 @@ async def test_token_chat_model_records_exact_ids_and_infers_finish_reasons() ->
     assert call.choices[0].completion_token_ids == [*answer, IM_END]
     assert call.finish_reason == "tool_calls"
     assert call.sampling.temperature == 0.5
+    assert call.sampling.stop == ["\n\n"]  # OpenAI's string form, recorded as a list
     assert message["tool_calls"][0]["function"] == {"name": "guess", "arguments": '{"number": 3}'}
     # No end-of-turn token and the token budget spent: the turn was cut.
     cut = TokenChatModel(

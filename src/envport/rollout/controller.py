@@ -1064,7 +1064,10 @@ class Controller:
             message = f"{stage} exceeded its deadline"
             trace.errors.append(TraceError(kind=kind, message=message, where=stage))
         else:
-            trace.errors.append(TraceError.from_exception(exc, kind=kind, where=stage))
+            retryable = isinstance(exc, ModelProviderError) and exc.retryable
+            trace.errors.append(
+                TraceError.from_exception(exc, kind=kind, where=stage, retryable=retryable)
+            )
 
     async def _on_instance(
         self,

@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
 
+from envport.gateway.capture import sampling_from
 from envport.harness.agent import AgentConfig
 from envport.harness.model import ChatModel, ModelProviderError
 from envport.policy.tokenizer import ByteTokenizer
 from envport.tasks import Task
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace, TraceStore
-from envport.trace.model import Choice, ModelCall, SamplingParams, Usage
+from envport.trace.model import Choice, ModelCall, Usage
 from envport.train.rows import Decoder, RowsResult, TrainingRow, build_rows
 
 Fragment = Literal["last", "first", "longest"]
@@ -322,11 +323,10 @@ class TokenChatModel(ChatModel):
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if wire_calls:
             message["tool_calls"] = wire_calls
-        known = SamplingParams.model_fields
         call = ModelCall(
             model=self.model,
             api=self.api,
-            sampling=SamplingParams(**{k: v for k, v in self.sampling.items() if k in known}),
+            sampling=sampling_from(self.sampling, "chat"),  # OpenAI's forms: stop as a string
             request={"messages": messages, "tools": tools, "sampling": self.sampling},
             response={"message": message, "finish_reason": finish},
             choices=[
