@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import re
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -342,6 +343,47 @@ def test_parse_number_is_lenient_in_form_strict_in_value() -> None:
     assert parse_number(2.5) == Fraction(5, 2)
     for bad in ["", "forty", "1,5", "12,34", "1_000", "4 apples", True, float("nan")]:
         assert parse_number(bad) is None, bad
+
+
+CRAFTED_ANSWERS = [
+    "1e100000000",
+    "1E-100000000",
+    "\uff11e100000000",  # a fullwidth digit, which NFKC makes "1e100000000"
+    "1.5e+99999999",
+    "1" * 5000,
+    " " * 10_000 + "7",
+    "1e1001",
+]
+
+
+def test_parse_number_refuses_crafted_answers_promptly() -> None:
+    # Fraction("1e100000000") computes 10**100000000 holding the GIL: minutes, server-wide.
+    for crafted in CRAFTED_ANSWERS:
+        started = time.monotonic()
+        assert parse_number(crafted) is None, crafted[:20]
+        assert time.monotonic() - started < 2.0, crafted[:20]
+    assert parse_number("1e1000") == 10**1000  # inside the bounds, still exact
+    assert parse_number("-2.5e-3") == Fraction(-1, 400)
+
+
+async def test_crafted_answers_are_prompt_wrong_answers_in_arithmetic_and_sqldb() -> None:
+    for crafted in CRAFTED_ANSWERS:
+        async with ArithmeticEnv() as env:
+            await env.reset(seed=1)
+            started = time.monotonic()
+            result = await asyncio.wait_for(env.step({"answer": crafted}), 10)
+            assert time.monotonic() - started < 2.0
+            assert result.reward == 0.0
+            assert result.observation.correct is False
+        async with SqlDbEnv() as sql_env:
+            await sql_env.reset(seed=0, question_kind="count_employees")
+            started = time.monotonic()
+            data = await asyncio.wait_for(
+                sql_env.call_tool("submit_answer", {"answer": crafted}), 10
+            )
+            assert time.monotonic() - started < 2.0
+            assert data["correct"] is False
+            assert data["reward"] == 0.0
 
 
 # --- sql-db-v1 -----------------------------------------------------------------------------

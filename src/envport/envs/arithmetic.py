@@ -117,11 +117,22 @@ def generate(rng: random.Random, level: Level) -> Expr:
 _GROUPED = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
+# Bounds on answer text: ``Fraction("1e100000000")`` computes ``10**100000000`` in C while
+# holding the GIL, which would freeze every session in the server (and its watchdog thread)
+# for minutes. No question's answer comes near these bounds, so an answer past them is
+# simply not read as a number, and is wrong.
+MAX_ANSWER_CHARS = 300
+MAX_EXPONENT = 1000
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
+
+
 def parse_number(answer: str | int | float) -> Fraction | None:
     """The exact value of an answer, or ``None`` if it is not a number.
 
     Accepts ``" 42 "``, ``"1,234"``, ``"-7"``, ``"\u22127"``, ``"+3"``, ``"42.0"``,
-    ``"1e3"``, ``"3/4"`` and ``"42."``; rejects words, ``"1,5"`` and empty text.
+    ``"1e3"``, ``"3/4"`` and ``"42."``; rejects words, ``"1,5"`` and empty text. Text longer
+    than ``MAX_ANSWER_CHARS`` (after removing whitespace) or with an exponent beyond
+    ``MAX_EXPONENT`` is also ``None``, so a crafted answer cannot make parsing slow.
     """
     if isinstance(answer, bool):
         return None
@@ -131,8 +142,14 @@ def parse_number(answer: str | int | float) -> Fraction | None:
         if answer != answer or answer in (float("inf"), float("-inf")):
             return None
         return Fraction(repr(answer))
+    if len(answer) > 4 * MAX_ANSWER_CHARS:
+        return None
     text = unicodedata.normalize("NFKC", answer).replace("\u2212", "-")
     text = re.sub(r"\s+", "", text)
+    if len(text) > MAX_ANSWER_CHARS:
+        return None
+    if any(abs(int(exp)) > MAX_EXPONENT for exp in _EXPONENT.findall(text)):
+        return None
     if text.endswith(".") and text[:-1][-1:].isdigit():
         text = text[:-1]
     if "," in text:
