@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import time
 from fractions import Fraction
@@ -16,7 +17,7 @@ from envport.check import check_env
 from envport.env import Env
 from envport.envs.arithmetic import ArithmeticEnv, parse_number
 from envport.envs.guess import GuessNumberEnv, GuessWordEnv, score_guess
-from envport.envs.sqldb import QUESTIONS, SqlDbEnv
+from envport.envs.sqldb import MAX_CELL_CHARS, MAX_RESULT_BYTES, QUESTIONS, SqlDbEnv
 from envport.errors import (
     ActionValidationError,
     EnvClosedError,
@@ -486,6 +487,53 @@ async def test_sqldb_plain_sql_action_returns_rows_and_errors_as_data() -> None:
             await env.step({"sql": "SELECT 1", "answer": "1"})
         with pytest.raises(ActionValidationError, match="exactly one"):
             await env.step({})
+
+
+def _many_rows(columns: int, value: str, rows: int = 60) -> str:
+    cols = ", ".join(f"{value} AS c{i}" for i in range(columns))
+    return (
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < "
+        f"{rows}) SELECT {cols} FROM n"
+    )
+
+
+async def test_sqldb_big_results_are_capped_and_say_they_were_truncated() -> None:
+    # Before: max_rows capped rows and SQLite each value, nothing the total; 8 columns of
+    # zeroblob(999999) over 50 rows made an 800 MB observation.
+    async with SqlDbEnv() as env:
+        await env.reset(seed=0)
+        for sql in [
+            _many_rows(8, "zeroblob(99999)"),
+            _many_rows(100, "printf('%.*c', 99999, 'x')"),
+        ]:
+            result = await env.step({"sql": sql})
+            obs = result.observation
+            assert obs.error is None
+            assert len(obs.model_dump_json()) < MAX_RESULT_BYTES + 10_000
+            assert 0 < len(obs.rows) < 50
+            assert obs.truncated is True
+            assert "only the first" in obs.message
+            assert f"longer than {MAX_CELL_CHARS:,} characters were cut" in obs.message
+            assert obs.rows[0][0].endswith(" cut]")
+            assert len(obs.rows[0][0]) < MAX_CELL_CHARS + 40
+
+            data = await env.call_tool("run_query", {"sql": sql})
+            assert data["truncated"] is True
+            assert "only the first" in data["note"]
+            assert len(json.dumps(data)) < MAX_RESULT_BYTES + 10_000
+
+        too_wide = await env.step({"sql": _many_rows(101, "1", rows=1)})
+        assert too_wide.observation.error == "SQL error: too many columns in result set"
+        too_big = await env.step({"sql": "SELECT zeroblob(999999)"})
+        assert too_big.observation.error == "SQL error: string or blob too big"
+
+        small = await env.step({"sql": "SELECT x'00ff', 'short'"})
+        assert small.observation.rows == [["00ff", "short"]]
+        assert small.observation.truncated is False
+        assert small.observation.message == ""
+        many = await env.call_tool("run_query", {"sql": _many_rows(2, "1")})
+        assert many["row_count"] == 50
+        assert many["note"] == "Result truncated: only the first 50 rows (max_rows) are shown."
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ instance is dropped without closing, by a finaliser.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import re
 import shutil
@@ -245,23 +246,43 @@ def first_keyword(sql: str) -> str:
     return match.group(0).upper() if match else ""
 
 
+# Bounds on what one query returns, besides ``max_rows``: a query can build large values
+# (``zeroblob``, ``printf('%.*c', ...)``) in every column of every row, and blobs double in
+# size as hex, so without these a few rows make an observation of hundreds of megabytes.
+MAX_VALUE_BYTES = 100_000  # SQLITE_LIMIT_LENGTH: any one string or blob, in SQLite
+MAX_COLUMNS = 100  # SQLITE_LIMIT_COLUMN
+MAX_CELL_CHARS = 1_000  # a text value, or a blob's hex, is cut to this many characters
+MAX_RESULT_BYTES = 256_000  # the rows as JSON; rows past it are left out
+
+
 @dataclasses.dataclass(frozen=True)
 class QueryResult:
     columns: list[str]
     rows: list[list[Any]]
     truncated: bool
+    note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "columns": self.columns,
             "rows": self.rows,
             "row_count": len(self.rows),
             "truncated": self.truncated,
         }
+        if self.note:
+            out["note"] = self.note
+        return out
 
 
-def _cell(value: Any) -> Any:
-    return value.hex() if isinstance(value, bytes) else value
+def _cell(value: Any) -> tuple[Any, bool]:
+    """A value as it is returned (blobs as hex), and whether it was cut to MAX_CELL_CHARS."""
+    if isinstance(value, bytes):
+        if 2 * len(value) <= MAX_CELL_CHARS:
+            return value.hex(), False
+        return value[: MAX_CELL_CHARS // 2].hex() + f"... [{len(value)} bytes, cut]", True
+    if isinstance(value, str) and len(value) > MAX_CELL_CHARS:
+        return value[:MAX_CELL_CHARS] + f"... [{len(value)} characters, cut]", True
+    return value, False
 
 
 # --- the environment ---------------------------------------------------------------------
@@ -294,7 +315,9 @@ class SqlObservation(Observation):
     tables: list[str] = Field(default_factory=list)
     columns: list[str] | None = Field(default=None, description="Columns of the last query.")
     rows: list[list[Any]] | None = Field(default=None, description="Rows of the last query.")
-    truncated: bool = Field(default=False, description="True if rows were cut at the limit.")
+    truncated: bool = Field(
+        default=False, description="True if rows or long values were cut at the limits."
+    )
     error: str | None = Field(default=None, description="Why the last query failed.")
     correct: bool | None = Field(default=None, description="After an answer: was it right.")
     expected: str | None = Field(default=None, description="After an answer: the right one.")
@@ -405,7 +428,10 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
             except QueryError as exc:
                 return StepResult(observation=self._observation(error=str(exc)), reward=0.0)
             obs = self._observation(
-                columns=result.columns, rows=result.rows, truncated=result.truncated
+                columns=result.columns,
+                rows=result.rows,
+                truncated=result.truncated,
+                message=result.note,
             )
             return StepResult(observation=obs, reward=0.0)
 
@@ -485,7 +511,8 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
     def run_query(self, sql: str) -> dict[str, Any]:
         """Run one read-only SQL query (SELECT or WITH) and return its rows.
 
-        At most ``max_rows`` rows come back; ``truncated`` says whether there were more.
+        At most ``max_rows`` rows, and about 256 KB, come back, and a long value is cut to
+        1,000 characters; ``truncated`` says whether anything was left out, and ``note`` what.
 
         Args:
             sql: A single SELECT or WITH statement in SQLite's dialect.
@@ -550,7 +577,8 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
         assert self.db_path is not None
         conn = sqlite3.connect(f"{self.db_path.as_uri()}?mode=ro", uri=True)
         conn.execute("PRAGMA query_only = ON")
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1_000_000)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)
         return conn
 
     def _query(self, sql: str) -> QueryResult:
@@ -565,10 +593,30 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
         conn = self._connect()
         deadline = time.monotonic() + self.query_timeout_s
         conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        rows: list[list[Any]] = []
+        notes: list[str] = []
         try:
             cursor = conn.execute(sql)
             columns = [d[0] for d in cursor.description or ()]
-            rows = cursor.fetchmany(self.max_rows + 1)
+            size = len(json.dumps(columns))
+            cut_cells = False
+            while (row := cursor.fetchone()) is not None:
+                if len(rows) == self.max_rows:
+                    notes.append(f"only the first {self.max_rows} rows (max_rows) are shown")
+                    break
+                cells = [_cell(v) for v in row]
+                values = [value for value, _ in cells]
+                size += len(json.dumps(values, default=str)) + 1
+                if size > MAX_RESULT_BYTES:
+                    notes.append(
+                        f"only the first {len(rows)} rows are shown: the result passed "
+                        f"{MAX_RESULT_BYTES:,} bytes"
+                    )
+                    break
+                cut_cells = cut_cells or any(cut for _, cut in cells)
+                rows.append(values)
+            if cut_cells:
+                notes.append(f"values longer than {MAX_CELL_CHARS:,} characters were cut")
         except sqlite3.Error as exc:
             if time.monotonic() > deadline:
                 raise QueryError(
@@ -581,11 +629,8 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
             raise QueryError(f"SQL error: {exc}") from exc
         finally:
             conn.close()
-        return QueryResult(
-            columns=columns,
-            rows=[[_cell(v) for v in row] for row in rows[: self.max_rows]],
-            truncated=len(rows) > self.max_rows,
-        )
+        note = f"Result truncated: {'; '.join(notes)}." if notes else ""
+        return QueryResult(columns=columns, rows=rows, truncated=bool(notes), note=note)
 
     def _submit(self, answer: str | int | float) -> _Outcome:
         assert self.question is not None
