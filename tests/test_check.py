@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,81 @@ class UnseededEnv(CountEnv):
     async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
         self.total = uuid.uuid4().int % 1_000_000
         return StepResult(observation=CountObservation(total=self.total))
+
+
+class GlobalRandomEnv(CountEnv):
+    """Draws a hidden target from the global random module: the seed fixes nothing, yet
+    the first observation, state() and these steps' results look the same every time."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
+        self.target = random.randint(1, 10)
+        return StepResult(observation=CountObservation(total=0))
+
+    async def on_step(self, action: CountAction) -> StepResult[CountObservation]:
+        return StepResult(observation=CountObservation(total=action.amount), reward=0.5)
+
+
+class SecretInStateEnv(CountEnv):
+    """A constant first observation; the unseeded secret shows only in state()."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
+        self.secret = uuid.uuid4().hex
+        return StepResult(observation=CountObservation(total=0))
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"secret": self.secret}
+
+
+class UnseededStepEnv(CountEnv):
+    """Seeded resets, but steps add noise from the OS."""
+
+    async def on_step(self, action: CountAction) -> StepResult[CountObservation]:
+        self.total += action.amount + uuid.uuid4().int % 1000
+        return StepResult(observation=CountObservation(total=self.total), reward=0.5)
+
+
+class SeedsGlobalRandomEnv(CountEnv):
+    """Uses the global random module, but seeds it from the seed: deterministic."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
+        random.seed(seed)
+        self.total = random.randint(0, 1000)
+        return StepResult(observation=CountObservation(total=self.total, start=self.total))
+
+
+class ResourceIdsEnv(CountEnv):
+    """Names its own per-instance resources in state(): ids and a private directory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.workdir = tempfile.mkdtemp(prefix="envport-test-")
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"sandbox_id": uuid.uuid4().hex, "workdir": self.workdir}
+
+    def on_close(self) -> None:
+        os.rmdir(self.workdir)
+
+
+class SetInfoEnv(CountEnv):
+    """A set in every step's info: fine in-process, a 500 on every served /step."""
+
+    async def on_step(self, action: CountAction) -> StepResult[CountObservation]:
+        result = await super().on_step(action)
+        return result.model_copy(update={"info": {"seen": {action.amount}}})
+
+
+class HugeIntResetEnv(CountEnv):
+    """An integer past 64 bits in the first result's info: orjson cannot encode it."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
+        result = await super().on_reset(seed, **options)
+        return result.model_copy(update={"info": {"big": 2**70}})
+
+
+class HugeIntStateEnv(CountEnv):
+    def extra_state(self) -> dict[str, Any]:
+        return {"big": 2**70}
 
 
 class TooRewardingEnv(CountEnv):
@@ -216,6 +292,23 @@ async def test_without_check_actions_step_is_a_warning_not_a_failure() -> None:
     assert report.get("step_count").status is CheckStatus.PASS
 
 
+@pytest.mark.parametrize("env", [SeedsGlobalRandomEnv, ResourceIdsEnv])
+async def test_determinism_passes_seeded_global_random_and_per_instance_resources(
+    env: type,
+) -> None:
+    report = await _check(env)
+    assert report.ok, report.failures
+    assert "3 step result(s)" in report.get("reset_determinism").message
+
+
+async def test_check_leaves_the_global_random_state_as_it_found_it() -> None:
+    random.seed(1234)
+    before = random.getstate()
+    report = await _check(CountEnv)  # the determinism check seeds it, then restores it
+    assert report.ok
+    assert random.getstate() == before
+
+
 def test_sync_check_and_report_rendering() -> None:
     report = check("echo-v1")
     assert report.ok
@@ -231,6 +324,16 @@ def test_sync_check_and_report_rendering() -> None:
     ("env", "check_name", "words"),
     [
         (UnseededEnv, "reset_determinism", "seed=0"),
+        (GlobalRandomEnv, "reset_determinism", "drew from the global random module"),
+        (
+            SecretInStateEnv,
+            "reset_determinism",
+            "disagree on state() after reset(): differs in secret",
+        ),
+        (UnseededStepEnv, "reset_determinism", "disagree on step 1 ({'amount': 1})"),
+        (SetInfoEnv, "step", "step({'amount': 1})'s result cannot be served"),
+        (HugeIntResetEnv, "reset", "reset()'s result cannot be served"),
+        (HugeIntStateEnv, "state_roundtrip", "state() cannot be served"),
         (TooRewardingEnv, "reward_range", "2.0"),
         (NanRewardEnv, "reward_range", "nan"),
         (StuckCountEnv, "step_count", "step_count is 0 after 1 step(s)"),

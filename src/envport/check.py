@@ -10,9 +10,13 @@ environment?* It builds the environment from an id (``echo-v1``), a
   examples validates; declared ``check_actions`` validate; tool specs carry valid
   input schemas.
 * **runtime**: ``reset`` works and its observation and state survive a dump and
-  re-validate; a seed fixes the first observation (two fresh instances agree); ``step``
-  works; ``state().step_count`` counts steps and returns to 0 on ``reset``; rewards stay
-  within ``reward_range``; ``step`` before ``reset`` raises ``EnvNotResetError``;
+  re-validate; what ``reset``, ``step`` and ``state`` return encodes with the server's
+  own encoder (orjson: a set in ``info`` or a 65-bit integer does not); a seed fixes the
+  episode (two fresh instances agree on the first observation, on ``state()`` and on the
+  results of stepping the same actions, and neither draws from the unseeded global
+  ``random`` or ``numpy.random``); ``step`` works; ``state().step_count`` counts steps
+  and returns to 0 on ``reset``; rewards stay within ``reward_range``; ``step`` before
+  ``reset`` raises ``EnvNotResetError``;
   ``close()`` twice is safe and any call after it raises ``EnvClosedError``.
 * **leaks**: one full episode on a fresh instance, then ``close()``; threads, child
   processes, open file descriptors, asyncio tasks and temporary files that outlive it
@@ -40,11 +44,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import gc
 import json
 import math
 import os
+import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -53,12 +60,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import jsonschema
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.table import Table
 from rich.text import Text
 
 from envport.env import Env
 from envport.errors import EnvClosedError, EnvNotResetError
+from envport.protocol.codec import encode
 from envport.registry import EnvFactory, spec
 from envport.types import Action, ListToolsAction, Observation, State, StepResult
 
@@ -457,9 +466,89 @@ def _roundtrip(what: str, value: BaseModel, model: type[BaseModel]) -> None:
         raise _Fail(f"{what} does not match its JSON Schema: {problem}")
 
 
+def _encodes(what: str, kind: str, payload: Callable[[], Any]) -> None:
+    """Fail unless ``payload()`` encodes as the server sends it (``encode``, orjson): an
+    environment whose results the server cannot encode answers every call with an error."""
+    try:
+        data = payload()
+    except Exception as exc:
+        raise _Fail(f"{what} cannot be serialised for the wire: {exc}") from exc
+    reply = orjson.loads(encode({"type": kind, "data": data}))
+    if reply.get("type") == "error":
+        raise _Fail(
+            f"{what} cannot be served: {reply['data'].get('message')} Return only JSON "
+            "values (dict, list, str, int within 64 bits, float, bool, None) in info and "
+            "observations."
+        )
+
+
+def _wire(result: StepResult[Any]) -> Any:
+    return result.to_wire(extended=True)
+
+
+def _global_rng_state() -> tuple[Any, ...]:
+    """The state of the process-wide random generators an environment might draw from."""
+    states: list[Any] = [random.getstate()]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            name, keys, pos, has_gauss, cached = numpy.random.get_state()
+            states.append((name, keys.tobytes(), pos, has_gauss, cached))
+    return tuple(states)
+
+
+def _seed_global_rngs(seed: int) -> None:
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed(seed)
+
+
+@contextlib.contextmanager
+def _global_rngs_restored() -> Iterator[None]:
+    saved = random.getstate()
+    numpy = sys.modules.get("numpy")
+    saved_numpy = None
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            saved_numpy = numpy.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(saved)
+        if numpy is not None and saved_numpy is not None:
+            with contextlib.suppress(Exception):
+                numpy.random.set_state(saved_numpy)
+
+
+def _same(a: Any, b: Any, key: str = "") -> bool:
+    """Equal JSON values, except for what names each instance's own resources rather than
+    the episode: values of keys called ``id`` or ending in ``_id`` (a sandbox's id) and
+    existing filesystem paths (a private temporary directory)."""
+    if key == "id" or key.endswith("_id"):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], str(k)) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if a == b:
+        return True
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return (
+        isinstance(a, str)
+        and isinstance(b, str)
+        and os.path.isabs(a)
+        and os.path.isabs(b)
+        and os.path.exists(a)
+        and os.path.exists(b)
+    )
+
+
 def _diff(a: Any, b: Any) -> str:
     if isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        keys = sorted(k for k in a.keys() | b.keys() if not _same(a.get(k), b.get(k), str(k)))
         return "differs in " + ", ".join(keys)
     return f"{a!r} != {b!r}"
 
@@ -665,10 +754,11 @@ class _Checker:
         if not isinstance(result.observation, obs_type):
             got = type(result.observation).__name__
             raise _Fail(f"reset() observation is a {got}, not the declared {obs_type.__name__}")
+        _encodes("reset()'s result", "observation", lambda: _wire(result))
         self._record_reward(result)
         self.first_observation = result.observation
         self.reset_ok = True
-        return f"reset(seed={self.seed}) returned {obs_type.__name__}"
+        return f"reset(seed={self.seed}) returned {obs_type.__name__}, which encodes for the wire"
 
     async def check_observation_roundtrip(self) -> str:
         self._need_reset()
@@ -683,9 +773,10 @@ class _Checker:
         if not isinstance(state, state_type):
             raise _Fail(f"state() returned {type(state).__name__}, not {state_type.__name__}")
         _roundtrip("the state", state, state_type)
+        _encodes("state()", "state", lambda: state.model_dump(mode="json"))
         if not state.episode_id:
             raise _Fail("state().episode_id is empty after reset()")
-        return "state() dumps, re-validates and matches its schema"
+        return "state() dumps, re-validates, matches its schema and encodes for the wire"
 
     async def check_step(self) -> str:
         self._need_reset()
@@ -704,10 +795,11 @@ class _Checker:
                 raise _Fail(f"step() returned {type(result).__name__}, not a StepResult")
             if not isinstance(result.observation, Observation):
                 raise _Fail(f"step() observation is a {type(result.observation).__name__}")
+            _encodes(f"step({action!r})'s result", "observation", functools.partial(_wire, result))
             self._record_reward(result)
             if result.done:
                 break
-        return f"stepped {taken} time(s) with valid actions"
+        return f"stepped {taken} time(s) with valid actions; every result encodes for the wire"
 
     async def check_step_count(self) -> str:
         self._need_reset()
@@ -745,22 +837,87 @@ class _Checker:
 
     async def check_reset_determinism(self) -> str:
         self._need_reset()
-        first, second = self._make(), self._make()
-        try:
-            a = await self._reset(first, episode_id="envport-check")
-            b = await self._reset(second, episode_id="envport-check")
-        finally:
-            for env in (first, second):
-                with contextlib.suppress(Exception):
-                    await self._call(env.close(), "close()")
-        obs_a, obs_b = _dump(a.observation), _dump(b.observation)
-        if obs_a != obs_b or a.reward != b.reward:
-            detail = _diff(obs_a, obs_b) if obs_a != obs_b else f"reward {a.reward} != {b.reward}"
+        # Each instance starts from a different global random state: an environment that
+        # draws from random/numpy.random instead of self.rng then diverges, and leaves the
+        # global state changed differently (seen even when its outputs happen to agree).
+        with _global_rngs_restored():
+            made: list[Env[Any, Any]] = []
+            try:
+                _seed_global_rngs(1)
+                made.append(self._make())
+                trace_a = await self._trace(made[0])
+                drawn_a = _global_rng_state()
+                _seed_global_rngs(2)
+                made.append(self._make())
+                trace_b = await self._trace(made[1])
+                drawn_b = _global_rng_state()
+                _seed_global_rngs(1)
+                untouched_a = _global_rng_state()
+                _seed_global_rngs(2)
+                untouched_b = _global_rng_state()
+                # Compared while both are open: paths they name (a private temp directory)
+                # exist now, and are each instance's own, not a draw.
+                mismatch = next(
+                    (
+                        (what, a, b)
+                        for (what, a), (_, b) in zip(trace_a, trace_b, strict=False)
+                        if not _same(a, b)
+                    ),
+                    None,
+                )
+            finally:
+                for env in made:
+                    with contextlib.suppress(Exception):
+                        await self._call(env.close(), "close()")
+        hint = "Draw randomness from self.rng, which reset() seeds."
+        if mismatch is not None:
+            what, a, b = mismatch
             raise _Fail(
-                f"two fresh instances reset with seed={self.seed} disagree: {detail}. "
-                "Draw randomness from self.rng, which reset() seeds."
+                f"two fresh instances reset with seed={self.seed} disagree on {what}: "
+                f"{_diff(a, b)}. {hint}"
             )
-        return f"seed={self.seed} gives the same first observation on fresh instances"
+        if len(trace_a) != len(trace_b):
+            raise _Fail(
+                f"two fresh instances reset with seed={self.seed} ended after different "
+                f"numbers of steps ({len(trace_a)} and {len(trace_b)} results). {hint}"
+            )
+        if drawn_a != drawn_b and (drawn_a != untouched_a or drawn_b != untouched_b):
+            raise _Fail(
+                f"with seed={self.seed}, reset() or step() drew from the global random module "
+                f"(or numpy.random), which the seed does not fix. {hint}"
+            )
+        steps = sum(what.endswith("'s state()") for what, _ in trace_a)
+        return (
+            f"seed={self.seed} gives the same first observation, state() and {steps} step "
+            "result(s) on fresh instances"
+        )
+
+    async def _trace(self, env: Env[Any, Any]) -> list[tuple[str, Any]]:
+        """What a seeded episode shows: the first result, state(), then each step's result
+        and state(), with the declared (or probe) actions."""
+        result = await self._reset(env, episode_id="envport-check")
+        trace: list[tuple[str, Any]] = [
+            ("the first observation", _dump(result.observation)),
+            ("the first reward", result.reward),
+        ]
+        state = await self._call(env.state(), "state()")
+        trace.append(("state() after reset()", _dump(state)))
+        actions = self._probe_actions()
+        for i in range(self.steps if actions else 0):
+            action = actions[i % len(actions)]
+            result = await self._call(env.step(action), f"step({action!r})")
+            outcome = {
+                "observation": _dump(result.observation),
+                "reward": result.reward,
+                "terminated": result.terminated,
+                "truncated": result.truncated,
+            }
+            trace.append((f"step {i + 1} ({action!r})", outcome))
+            state = await self._call(env.state(), "state()")
+            trace.append((f"step {i + 1}'s state()", _dump(state)))
+            if result.done:
+                break
+        return trace
 
     async def check_step_before_reset(self) -> str:
         env = self._make()
