@@ -421,6 +421,28 @@ def test_init_refuses_a_name_already_registered(tmp_path: Path, name: str) -> No
 
 
 @pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("random", "'random', which is a standard-library module"),
+        ("json", "'json', which is a standard-library module"),
+        ("typing", "'typing', which is a standard-library module"),
+        ("pytest", "'pytest', which is already installed ("),
+    ],
+)
+def test_init_refuses_a_package_name_that_import_already_resolves(
+    tmp_path: Path, name: str, why: str
+) -> None:
+    # Before: the scaffold was written, and its own tests imported the other module.
+    result = envport_cli("init", name, "--dir", str(tmp_path))
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line
+    assert line.startswith(f"error: {name!r} would make the package {why}"), line
+    assert line.endswith("Pick another name.")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     ("command", "creates"),
     [
         (["traces", "list"], False),

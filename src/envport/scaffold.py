@@ -17,8 +17,10 @@ checker can step it. Templates are plain strings formatted with :meth:`str.forma
 
 from __future__ import annotations
 
+import importlib.util
 import keyword
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +58,28 @@ def names_for(name: str) -> Names:
     return Names(name=name, package=package, cls=cls, env_id=f"{name}-v1")
 
 
+def _refuse_taken_package(name: str, package: str) -> None:
+    """Refuse a package name that ``import`` would resolve to something else: a standard
+    library module (``random``, ``json``) or an installed package. The generated code
+    and tests would import that instead and fail."""
+    if package in sys.stdlib_module_names:
+        raise ScaffoldError(
+            f"{name!r} would make the package {package!r}, which is a standard-library "
+            "module: the generated code would import that instead. Pick another name."
+        )
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    # A namespace package (a plain directory on sys.path, origin None) never shadows a
+    # regular one, so only a real module or package counts.
+    if spec is not None and spec.origin is not None:
+        raise ScaffoldError(
+            f"{name!r} would make the package {package!r}, which is already installed "
+            f"({spec.origin}): the two would collide on import. Pick another name."
+        )
+
+
 def render(names: Names) -> dict[str, str]:
     """The generated files, by path relative to the project directory."""
     fields = {
@@ -79,6 +103,7 @@ def scaffold(name: str, parent: Path) -> Path:
     Refuses to write into a directory that already has files in it, and a name that is
     already registered (a built-in or an installed package's, in any version): the new
     package's ``NAME-v1`` would collide with it, and ``make(NAME)`` would pick either.
+    Refuses too a name whose package is a standard-library module or already installed.
     """
     from envport.registry import parse_id, registered
 
@@ -89,6 +114,7 @@ def scaffold(name: str, parent: Path) -> Path:
             f"{name!r} is already registered ({', '.join(taken)}): a new package's "
             f"{names.env_id!r} would collide with it. Pick another name."
         )
+    _refuse_taken_package(name, names.package)
     root = parent / name
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ScaffoldError(f"{root} already exists and is not empty; choose another --dir.")
