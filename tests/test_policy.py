@@ -461,6 +461,20 @@ def test_bad_requests_get_openai_errors(url: str, client: openai.OpenAI) -> None
     assert info.value.type == "invalid_request_error"
 
 
+def test_out_of_vocabulary_token_ids_are_a_client_error(url: str, client: openai.OpenAI) -> None:
+    # vLLM answers 400 before generating; a 500 would make clients retry a request that
+    # can never succeed.
+    for prompt in ([1, 2, 99999], [-5], [TOK.vocab_size]):
+        resp = httpx.post(f"{url}/v1/completions", json={"prompt": prompt})
+        assert_openai_error(resp, 400, "prompt")
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+        assert "out of vocabulary" in resp.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt=[1, 2, 99999])
+    ok = client.completions.create(model="m", prompt=[TOK.vocab_size - 1, 104, 105])
+    assert ok.choices[0].finish_reason == "stop"
+
+
 def test_context_length_is_enforced() -> None:
     app = create_policy_app(ScriptedPolicy(max_model_len=32))
     with run_asgi(app) as url:

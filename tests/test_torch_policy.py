@@ -258,3 +258,16 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(
         r = http.post("/v1/chat/completions", json={"messages": long, "max_tokens": 2})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_out_of_vocabulary_token_ids_are_a_client_error(
+    served: tuple[str, TorchPolicy],
+) -> None:
+    url, p = served
+    with httpx.Client(base_url=url) as http:
+        for prompt in ([1, 2, SMALL.vocab_size], [-1]):
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["param"] == "prompt"
+    assert p.records() == []  # refused before sampling

@@ -455,6 +455,11 @@ class ScriptedPolicy:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids of its tokenizer (0..vocab_size - 1); the server refuses others with a 400."""
+        return self._tokenizer.vocab_size
+
     # --- the Policy contract -------------------------------------------------------------------
 
     async def generate(

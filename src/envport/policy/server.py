@@ -14,7 +14,8 @@ when asked for (``logprobs: true`` / ``top_logprobs`` for chat, ``logprobs: N`` 
 completions). Any ``model`` name is accepted; responses carry the policy's own name.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for
-malformed JSON and invalid fields, 404/405 for unknown routes, 500 if the policy fails.
+malformed JSON and invalid fields (a token-id prompt with an id outside the vocabulary
+included, as vLLM does), 404/405 for unknown routes, 500 if the policy fails.
 
 Fault injection, for testing what sits in front (gateways, harnesses), is off unless the
 app is built with ``faults=True``. Then a request header ``X-Envport-Fault`` (or a fault
@@ -418,6 +419,31 @@ class _Handler:
                     code="context_length_exceeded",
                 )
 
+    def _vocab_size(self) -> int | None:
+        size = getattr(self.policy, "vocab_size", None)
+        if size is None:
+            size = getattr(self.policy.tokenizer, "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+    def _check_token_ids(self, prompts: Sequence[str | list[int]]) -> None:
+        """A token-id prompt with an id outside the vocabulary is the client's error (400).
+
+        vLLM refuses it before generating ("Token id N is out of vocabulary"); without this
+        check the policy would fail mid-generation and the client would see a 500 it retries.
+        """
+        size = self._vocab_size()
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                continue
+            bad = next((t for t in prompt if t < 0 or (size is not None and t >= size)), None)
+            if bad is not None:
+                limit = f" (this model's ids are 0..{size - 1})" if size is not None else ""
+                raise APIError(
+                    f"Token id {bad} is out of vocabulary{limit}.",
+                    param="prompt",
+                    code="invalid_value",
+                )
+
     async def _fault(self, request: Request) -> Fault | None:
         fault = self.faults.take(request)
         if fault is not None and fault.kind == "slow":
@@ -563,6 +589,7 @@ class _Handler:
                 prompts = [[int(p) for p in req.prompt]]
             else:
                 prompts = [str(p) for p in req.prompt]
+            self._check_token_ids(prompts)
             top = req.logprobs or 0
             gens = await self._generate(
                 (lambda p=p, i=i: self.policy.complete(p, req.sampling(i, top_logprobs=top)))

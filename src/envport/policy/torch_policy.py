@@ -207,6 +207,11 @@ class TorchPolicy:
     def max_model_len(self) -> int:
         return self._weights.module.config.max_len
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model embeds (0..vocab_size - 1); the server refuses others with a 400."""
+        return self._weights.module.config.vocab_size
+
     async def generate(
         self, messages: Sequence[Message], tools: Sequence[Tool] | None, sampling: SamplingParams
     ) -> Generation:
