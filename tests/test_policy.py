@@ -429,6 +429,46 @@ def test_completions(client: openai.OpenAI) -> None:
     assert [c.text for c in by_ids.choices] == [" echo this", " echo this"]
 
 
+def test_streamed_completions_carry_logprobs_and_prompt_ids(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": "m", "prompt": "What is 12 * 3?", "logprobs": 2, "seed": 3}
+    full = client.completions.create(**kwargs).choices[0]
+    got: dict[str, list[Any]] = {"tokens": [], "lp": [], "top": [], "offsets": [], "ids": []}
+    prompt_ids = []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            assert c.logprobs is not None  # every chunk, the final one included
+            got["tokens"] += c.logprobs.tokens
+            got["lp"] += c.logprobs.token_logprobs
+            got["top"] += c.logprobs.top_logprobs
+            got["offsets"] += c.logprobs.text_offset
+            got["ids"] += (c.model_extra or {})["token_ids"]
+            prompt_ids.append((c.model_extra or {}).get("prompt_token_ids"))
+    assert got["ids"] == extra(full, "token_ids")
+    assert got["tokens"] == full.logprobs.tokens
+    assert got["lp"] == full.logprobs.token_logprobs
+    assert got["top"] == full.logprobs.top_logprobs
+    assert got["offsets"] == full.logprobs.text_offset
+    assert prompt_ids[0] == TOK.encode("What is 12 * 3?")
+    assert all(p is None for p in prompt_ids[1:])
+
+
+def test_streamed_empty_completions_still_carry_prompt_ids(url: str) -> None:
+    # The answer starts with the stop string, so nothing is streamed but the final chunk;
+    # each choice's first chunk must still carry its prompt_token_ids.
+    body = {"prompt": "What is 2+2?", "stream": True, "stop": [" "], "n": 2, "logprobs": 0}
+    lines = httpx.post(f"{url}/v1/completions", json=body).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    firsts: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c)
+            assert c["logprobs"] is not None
+    assert sorted(firsts) == [0, 1]
+    for c in firsts.values():
+        assert c["prompt_token_ids"] == TOK.encode("What is 2+2?")
+        assert c["text"] == ""
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

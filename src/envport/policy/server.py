@@ -5,9 +5,11 @@ streaming), ``GET /v1/models``, ``GET /health``.
 
 Responses follow vLLM's format with ``return_token_ids``: ``prompt_token_ids`` at the top
 level of a chat response (in the first chunk when streaming; on each choice for
-``/v1/completions``, which may batch prompts) and ``token_ids`` on each choice (on each
-chunk when streaming; concatenated they are the completion's ids, the end-of-turn token
-included). **Decision:** token ids are always included unless the request says
+``/v1/completions``, which may batch prompts, and on each choice's first chunk when
+streaming, even an empty completion's) and ``token_ids`` on each choice (on each chunk
+when streaming; concatenated they are the completion's ids, the end-of-turn token
+included). Streamed completions carry the legacy logprobs of each chunk's own tokens.
+**Decision:** token ids are always included unless the request says
 ``"return_token_ids": false``; clients that do not know the fields ignore them, and a
 recording gateway wants them without having to ask. Logprobs come in OpenAI's shapes
 when asked for (``logprobs: true`` / ``top_logprobs`` for chat, ``logprobs: N`` for
@@ -607,21 +609,37 @@ class _Handler:
         encoded = json.dumps(body, ensure_ascii=False).encode("utf-8")
         return self._finish(fault, _json_response(encoded), [encoded])
 
-    def _legacy_logprobs(self, gen: Generation, top: int | None) -> dict[str, Any] | None:
+    def _legacy_logprobs(
+        self,
+        gen: Generation,
+        top: int | None,
+        start: int = 0,
+        stop: int | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any] | None:
+        """Legacy (``/v1/completions``) logprobs of ``gen.token_ids[start:stop]``.
+
+        ``text_offset`` counts from ``offset`` (vLLM streams each chunk's offsets from the
+        length of the text already sent).
+        """
         if top is None:
             return None
         tok = self.policy.tokenizer
-        tokens = [tok.token_str(t) for t in gen.token_ids]
-        offsets, pos = [], 0
+        stop = len(gen.token_ids) if stop is None else stop
+        tokens = [tok.token_str(t) for t in gen.token_ids[start:stop]]
+        offsets, pos = [], offset
         for text in tokens:
             offsets.append(pos)
             pos += len(text)
         tops = None
         if top > 0 and gen.top_logprobs:
-            tops = [{tok.token_str(t): lp for t, lp in alts[:top]} for alts in gen.top_logprobs]
+            tops = [
+                {tok.token_str(t): lp for t, lp in alts[:top]}
+                for alts in gen.top_logprobs[start:stop]
+            ]
         return {
             "tokens": tokens,
-            "token_logprobs": list(gen.logprobs),
+            "token_logprobs": list(gen.logprobs[start:stop]),
             "top_logprobs": tops,
             "text_offset": offsets,
         }
@@ -653,33 +671,17 @@ class _Handler:
     def _completion_stream(
         self, req: CompletionRequest, gens: list[Generation], meta: dict[str, Any]
     ) -> Iterable[bytes]:
-        tok = self.policy.tokenizer
+        """Each choice streams its segments, then a final chunk with the finish reason.
+
+        As vLLM does with ``return_token_ids``, a choice's first chunk carries its
+        ``prompt_token_ids`` (the final chunk is the first one when the completion is
+        empty), every chunk carries ``token_ids`` for its own tokens and, when logprobs
+        were asked for, the legacy logprobs of those tokens.
+        """
         base = {**meta, "object": "text_completion"}
         for index, gen in enumerate(gens):
-            pos = 0
-            for seg in _segments(tok, gen):
-                choice: dict[str, Any] = {
-                    "index": index,
-                    "text": seg.delta.get("content", ""),
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                if req.include_token_ids:
-                    choice["token_ids"] = list(gen.token_ids[seg.start : seg.stop])
-                    if pos == 0:
-                        choice["prompt_token_ids"] = list(gen.prompt_token_ids)
+            for choice in self._completion_choice_chunks(req, index, gen):
                 yield _sse({**base, "choices": [choice]})
-                pos = seg.stop
-            last: dict[str, Any] = {
-                "index": index,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": gen.finish_reason,
-                "stop_reason": gen.stop_reason,
-            }
-            if req.include_token_ids:
-                last["token_ids"] = list(gen.token_ids[pos:])
-            yield _sse({**base, "choices": [last]})
         if req.include_usage_chunk:
             usage = _usage(
                 sum(len(g.prompt_token_ids) for g in gens[:: req.n]),
@@ -687,6 +689,32 @@ class _Handler:
             )
             yield _sse({**base, "choices": [], "usage": usage})
         yield _DONE
+
+    def _completion_choice_chunks(
+        self, req: CompletionRequest, index: int, gen: Generation
+    ) -> Iterable[dict[str, Any]]:
+        pieces = [
+            (seg.delta.get("content", ""), seg.start, seg.stop)
+            for seg in _segments(self.policy.tokenizer, gen)
+        ]
+        pieces.append(("", pieces[-1][2] if pieces else 0, len(gen.token_ids)))
+        sent = 0  # characters already streamed: vLLM's text_offset base for the next chunk
+        for n, (text, start, stop) in enumerate(pieces):
+            last = n == len(pieces) - 1
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": self._legacy_logprobs(gen, req.logprobs, start, stop, sent),
+                "finish_reason": gen.finish_reason if last else None,
+            }
+            if last:
+                choice["stop_reason"] = gen.stop_reason
+            if req.include_token_ids:
+                if n == 0:
+                    choice["prompt_token_ids"] = list(gen.prompt_token_ids)
+                choice["token_ids"] = list(gen.token_ids[start:stop])
+            sent += len(text)
+            yield choice
 
     async def models(self, request: Request) -> Response:
         card = {
