@@ -183,6 +183,36 @@ def test_max_tokens_and_stop(client: openai.OpenAI) -> None:
     assert extra(stopped.choices[0], "stop_reason") == "sentence"
 
 
+def test_a_stop_string_keeps_its_tokens_but_cuts_the_text(client: openai.OpenAI) -> None:
+    # vLLM: the engine generated the stop string's tokens, so they are in token_ids (and
+    # logprobs, and usage); only the text ends before it.
+    resp = ask(client, "say hello world", stop=["world"], logprobs=True)
+    choice = resp.choices[0]
+    assert choice.message.content == "say hello "
+    assert extra(choice, "stop_reason") == "world"
+    assert extra(choice, "token_ids") == TOK.encode("say hello world")
+    assert len(choice.logprobs.content) == len(TOK.encode("say hello world"))
+    assert resp.usage.completion_tokens == len(TOK.encode("say hello world"))
+    streamed = reassemble(ask(client, "say hello world", stop=["world"], stream=True))
+    assert streamed["content"] == "say hello "
+    assert streamed["ids"] == TOK.encode("say hello world")
+    kept = ask(
+        client, "say hello world", stop=["world"], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == "say hello world"
+    assert extra(kept.choices[0], "token_ids") == TOK.encode("say hello world")
+    # the stop string completed first wins, as when an engine checks after each token
+    first = ask(client, "say hello world", stop=["lo w", "ll"]).choices[0]
+    assert (first.message.content, extra(first, "stop_reason")) == ("say he", "ll")
+    assert extra(first, "token_ids") == TOK.encode("say hell")
+    cmpl = client.completions.create(model="m", prompt="What is 2+2?", stop=[" "])
+    assert cmpl.choices[0].text == ""
+    assert extra(cmpl.choices[0], "token_ids") == TOK.encode(" ")
+    cmpl = client.completions.create(model="m", prompt="Q\nsay hi there", stop=["there"])
+    assert cmpl.choices[0].text == " say hi "
+    assert extra(cmpl.choices[0], "token_ids") == TOK.encode(" say hi there")
+
+
 # --- streaming ----------------------------------------------------------------------------
 
 

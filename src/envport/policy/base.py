@@ -28,6 +28,8 @@ class SamplingParams:
     ``sample_index`` is the choice's index when a request asks for ``n`` > 1: a policy
     that samples should make choices differ, and at ``temperature == 0`` they are equal.
     ``tool_choice`` is OpenAI's (``"auto"``, ``"none"``, ``"required"`` or a named tool).
+    A stop string ends the completion as in vLLM: its tokens were generated, so they stay
+    in ``token_ids``, but the text ends before it unless ``include_stop_str_in_output``.
     """
 
     temperature: float = 1.0
@@ -38,6 +40,7 @@ class SamplingParams:
     top_logprobs: int = 0
     sample_index: int = 0
     tool_choice: Any = "auto"
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)

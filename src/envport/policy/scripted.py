@@ -653,13 +653,19 @@ class ScriptedPolicy:
         finish: FinishReason = "tool_calls" if calls else "stop"
         stop_reason: str | int | None = None
         if not calls and sampling.stop:
-            cut = min(
-                ((body.find(s), s) for s in sampling.stop if s and s in body),
-                default=None,
-            )
-            if cut is not None:
-                body, stop_reason = body[: cut[0]], cut[1]
-                content = body
+            # A real engine checks stop strings after each token: the one that is complete
+            # first ends the completion (the first listed, if two end on the same token).
+            # Its tokens were generated, so they stay in the ids; only the text is cut.
+            hits = [
+                (body.find(s) + len(s), order, s)
+                for order, s in enumerate(sampling.stop)
+                if s and s in body
+            ]
+            if hits:
+                end_at, _, stop_str = min(hits)
+                body, stop_reason = body[:end_at], stop_str
+                keep = sampling.include_stop_str_in_output
+                content = body if keep else body[: end_at - len(stop_str)]
         ids = tok.encode(body)
         if stop_reason is None:
             ids.append(end)

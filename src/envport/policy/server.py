@@ -240,6 +240,7 @@ class _Request(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
+    include_stop_str_in_output: bool = False
 
     @property
     def include_token_ids(self) -> bool:
@@ -262,6 +263,7 @@ class _Request(_Model):
             top_logprobs=top_logprobs,
             sample_index=index,
             tool_choice=tool_choice,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 

@@ -319,8 +319,10 @@ class TorchPolicy:
                     finish, stop_reason = "stop", hit
                     break
         body = tok.decode([t for t in out if t not in stops])
-        if stop_reason is not None:
-            body = body[: body.find(str(stop_reason))]
+        if stop_reason is not None:  # the stop string's tokens stay in ``out``, as in vLLM
+            at = body.find(str(stop_reason))
+            keep = sampling.include_stop_str_in_output
+            body = body[: at + len(str(stop_reason))] if keep else body[:at]
         calls: tuple[ToolCall, ...] = ()
         text: str | None = body
         if chat and finish == "stop" and stop_reason is None:
