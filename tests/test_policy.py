@@ -555,6 +555,38 @@ def test_context_length_is_enforced() -> None:
     assert resp.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_prompt_plus_max_tokens_must_fit_the_context() -> None:
+    # vLLM refuses prompt + max_tokens > max_model_len with a 400 (before: accepted silently).
+    app = create_policy_app(ScriptedPolicy(max_model_len=64))
+    messages = [{"role": "user", "content": "hi"}]
+    n_prompt = len(TOK.encode(TOK.apply_chat_template(messages)))
+    room = 64 - n_prompt
+    with run_asgi(app) as url:
+        chat = f"{url}/v1/chat/completions"
+        over = httpx.post(chat, json={"messages": messages, "max_tokens": room + 1})
+        assert_openai_error(over, 400, "max_tokens")
+        assert over.json()["error"]["code"] == "context_length_exceeded"
+        assert over.json()["error"]["message"] == (
+            f"'max_tokens' or 'max_completion_tokens' is too large: {room + 1}. This model's "
+            f"maximum context length is 64 tokens and your request has {n_prompt} input "
+            f"tokens ({room + 1} > 64 - {n_prompt})."
+        )
+        huge = httpx.post(chat, json={"messages": messages, "max_completion_tokens": 10**9})
+        assert_openai_error(huge, 400, "max_tokens")
+        assert httpx.post(chat, json={"messages": messages, "max_tokens": room}).status_code == 200
+        cmpl = f"{url}/v1/completions"
+        over = httpx.post(cmpl, json={"prompt": [65] * 60, "max_tokens": 5})
+        assert_openai_error(over, 400, "max_tokens")
+        full = httpx.post(cmpl, json={"prompt": [65] * 64})
+        assert_openai_error(full, 400, "prompt")  # no room for a single token
+        assert "your request has 64 input tokens" in full.json()["error"]["message"]
+        # without max_tokens the reply gets what the context has left, as in vLLM
+        left = httpx.post(cmpl, json={"prompt": "say something long\n" + "y" * 40}).json()
+        choice = left["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["prompt_token_ids"]) + len(choice["token_ids"]) == 64
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 

@@ -271,3 +271,19 @@ def test_out_of_vocabulary_token_ids_are_a_client_error(
             assert r.json()["error"]["type"] == "invalid_request_error"
             assert r.json()["error"]["param"] == "prompt"
     assert p.records() == []  # refused before sampling
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_refused(
+    served: tuple[str, TorchPolicy],
+) -> None:
+    url, p = served
+    room = SMALL.max_len - len(TOK.encode("hello"))
+    with httpx.Client(base_url=url) as http:
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": room + 1})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert r.json()["error"]["param"] == "max_tokens"
+        assert "is too large" in r.json()["error"]["message"]
+        assert p.records() == []  # refused before sampling
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200, r.text

@@ -670,7 +670,9 @@ class ScriptedPolicy:
         if stop_reason is None:
             ids.append(end)
         budget = sampling.max_tokens
-        if budget is not None and len(ids) > budget:
+        if budget is None:  # vLLM's default: what the context has left
+            budget = max(0, self._max_model_len - len(prompt_ids))
+        if len(ids) > budget:
             ids = ids[:budget]
             finish, calls, stop_reason = "length", (), None
             content = tok.decode(ids, skip_special_tokens=True)

@@ -17,7 +17,9 @@ completions). Any ``model`` name is accepted; responses carry the policy's own n
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for
 malformed JSON and invalid fields (a token-id prompt with an id outside the vocabulary
-included, as vLLM does), 404/405 for unknown routes, 500 if the policy fails.
+included, as vLLM does; a prompt that leaves no room in the context, or prompt plus
+``max_tokens`` beyond it, with vLLM's messages and code ``context_length_exceeded``),
+404/405 for unknown routes, 500 if the policy fails.
 
 Fault injection, for testing what sits in front (gateways, harnesses), is off unless the
 app is built with ``faults=True``. Then a request header ``X-Envport-Fault`` (or a fault
@@ -412,16 +414,36 @@ class _Handler:
                 code="policy_error",
             ) from exc
 
-    def _check_length(self, gens: Sequence[Generation]) -> None:
+    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> None:
+        """Refuse a request that cannot fit the context, in vLLM's words, before generating.
+
+        A prompt must leave room for one token; with ``max_tokens``, prompt plus
+        ``max_tokens`` must fit (vLLM refuses rather than silently generating fewer).
+        """
         limit = self.policy.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the "
+                "input messages.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise APIError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {limit} tokens and your request has "
+                f"{prompt_len} input tokens ({max_tokens} > {limit} - {prompt_len}).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def _check_generated(
+        self, gens: Sequence[Generation], max_tokens: int | None, param: str
+    ) -> None:
+        """The same check on the prompt ids a policy reports (it tokenizes the prompt)."""
         for gen in gens:
-            if len(gen.prompt_token_ids) > limit:
-                raise APIError(
-                    f"This model's maximum context length is {limit} tokens; the prompt has "
-                    f"{len(gen.prompt_token_ids)}. Shorten the conversation.",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
+            self._check_length(len(gen.prompt_token_ids), max_tokens, param)
 
     def _vocab_size(self) -> int | None:
         size = getattr(self.policy, "vocab_size", None)
@@ -486,6 +508,9 @@ class _Handler:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             top = (req.top_logprobs or 0) if req.logprobs else 0
             choice = req.tool_choice or "auto"
+            tok = self.policy.tokenizer
+            prompt_ids = tok.encode(tok.apply_chat_template(messages, tools))
+            self._check_length(len(prompt_ids), req.max_tokens, "messages")
             gens = await self._generate(
                 (
                     lambda i=i: self.policy.generate(
@@ -494,7 +519,7 @@ class _Handler:
                 )
                 for i in range(req.n)
             )
-            self._check_length(gens)
+            self._check_generated(gens, req.max_tokens, "messages")
         except APIError as exc:
             return exc.response()
         meta = self._meta("chatcmpl")
@@ -594,13 +619,17 @@ class _Handler:
             else:
                 prompts = [str(p) for p in req.prompt]
             self._check_token_ids(prompts)
+            tok = self.policy.tokenizer
+            for p in prompts:
+                n_ids = len(tok.encode(p)) if isinstance(p, str) else len(p)
+                self._check_length(n_ids, req.max_tokens, "prompt")
             top = req.logprobs or 0
             gens = await self._generate(
                 (lambda p=p, i=i: self.policy.complete(p, req.sampling(i, top_logprobs=top)))
                 for p in prompts
                 for i in range(req.n)
             )
-            self._check_length(gens)
+            self._check_generated(gens, req.max_tokens, "prompt")
         except APIError as exc:
             return exc.response()
         meta = self._meta("cmpl")
