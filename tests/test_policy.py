@@ -499,6 +499,61 @@ def test_streamed_empty_completions_still_carry_prompt_ids(url: str) -> None:
         assert c["text"] == ""
 
 
+def test_batched_token_id_prompts_are_choice_groups(client: openai.OpenAI, url: str) -> None:
+    # OpenAI and vLLM take a list of token-id lists: each prompt its own n choices.
+    first, second = TOK.encode("echo one"), TOK.encode("What is 2 + 3?")
+    resp = client.completions.create(model="m", prompt=[first, second], n=2, seed=1)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    singles = [client.completions.create(model="m", prompt=p, n=2, seed=1) for p in (first, second)]
+    expected = [c for single in singles for c in single.choices]
+    for got, want in zip(resp.choices, expected, strict=True):
+        assert got.text == want.text
+        assert extra(got, "token_ids") == extra(want, "token_ids")
+        assert extra(got, "prompt_token_ids") == extra(want, "prompt_token_ids")
+    assert resp.usage.prompt_tokens == len(first) + len(second)
+    assert resp.usage.completion_tokens == sum(len(extra(c, "token_ids")) for c in resp.choices)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model="m", prompt=[first, second], stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: singles[0].choices[0].text, 1: singles[1].choices[0].text}
+    empty = httpx.post(f"{url}/v1/completions", json={"prompt": [[1, 2], []]})
+    assert_openai_error(empty, 400, "prompt")
+    oov = httpx.post(f"{url}/v1/completions", json={"prompt": [[1, 2], [99999]]})
+    assert_openai_error(oov, 400, "prompt")
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model="m", prompt="abc", max_tokens=2, seed=2)
+    echoed = client.completions.create(model="m", prompt="abc", max_tokens=2, seed=2, echo=True)
+    assert echoed.choices[0].text == "abc" + plain.choices[0].text == "abc a"
+    assert extra(echoed.choices[0], "token_ids") == extra(plain.choices[0], "token_ids")
+    by_ids = client.completions.create(model="m", prompt=TOK.encode("abc"), echo=True, max_tokens=2)
+    assert by_ids.choices[0].text == "abc a"
+    # with logprobs the prompt's tokens come first, the first without a logprob (vLLM)
+    kwargs: dict[str, Any] = {"prompt": "abc", "max_tokens": 2, "seed": 2, "echo": True}
+    lp = client.completions.create(model="m", logprobs=2, **kwargs).choices[0]
+    assert lp.logprobs.tokens == ["a", "b", "c", " ", "a"]
+    assert lp.logprobs.token_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.logprobs.token_logprobs[1:])
+    assert lp.logprobs.top_logprobs[0] is None
+    assert all(len(t) == 2 for t in lp.logprobs.top_logprobs[1:])
+    assert lp.logprobs.text_offset == [0, 1, 2, 3, 4]
+    text, tokens, lps, offsets = "", [], [], []
+    for chunk in client.completions.create(model="m", logprobs=2, stream=True, **kwargs):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens
+            lps += c.logprobs.token_logprobs
+            offsets += c.logprobs.text_offset
+    assert (text, tokens, lps, offsets) == (
+        lp.text,
+        lp.logprobs.tokens,
+        lp.logprobs.token_logprobs,
+        lp.logprobs.text_offset,
+    )
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

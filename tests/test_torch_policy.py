@@ -287,3 +287,24 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_refused(
         assert p.records() == []  # refused before sampling
         r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_echo_reports_the_models_prompt_logprobs(served: tuple[str, TorchPolicy]) -> None:
+    url, p = served
+    ids = TOK.encode("hello there")
+    with httpx.Client(base_url=url) as http:
+        body = {"prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 1, "seed": 2}
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith("hello there")
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + len(choice["token_ids"])
+    assert lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    module = p.module_copy().eval()
+    with torch.no_grad():
+        want = token_logprobs(module, torch.tensor([ids]))[0].tolist()
+    assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want, abs=1e-5)
+    (record,) = p.records()
+    assert lp["token_logprobs"][len(ids) :] == list(record.logprobs)

@@ -30,6 +30,8 @@ class SamplingParams:
     ``tool_choice`` is OpenAI's (``"auto"``, ``"none"``, ``"required"`` or a named tool).
     A stop string ends the completion as in vLLM: its tokens were generated, so they stay
     in ``token_ids``, but the text ends before it unless ``include_stop_str_in_output``.
+    ``prompt_logprobs`` (``None``: not wanted) asks for the prompt tokens' logprobs with that
+    many alternatives each (the server's ``echo`` with ``logprobs`` needs them).
     """
 
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingParams:
     sample_index: int = 0
     tool_choice: Any = "auto"
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,9 @@ class Generation:
     model stopped on it (as vLLM reports them); ``logprobs`` has one entry per id and
     ``top_logprobs`` (when asked for) one list of ``(token_id, logprob)`` per id.
     ``text`` is the message content (``None`` when the turn is only tool calls).
+    ``prompt_logprobs`` (only when :attr:`SamplingParams.prompt_logprobs` asked for them)
+    has one entry per prompt id, ``None`` for the first, which nothing predicts; likewise
+    ``prompt_top_logprobs``.
     """
 
     text: str | None
@@ -71,6 +77,8 @@ class Generation:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     stop_reason: str | int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    prompt_logprobs: tuple[float | None, ...] = ()
+    prompt_top_logprobs: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):

@@ -36,7 +36,7 @@ import math
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
@@ -493,8 +493,26 @@ class ScriptedPolicy:
             lines = [line for line in text.splitlines() if line.strip()]
             answer = " " + lines[-1].strip() if lines else " envport-scripted"
         key = (self.seed, sampling.seed, _sample_key(sampling), text)
-        return self._shape(
+        gen = self._shape(
             prompt_ids, answer, (), sampling, key, end_id=self._tokenizer.eos_token_id
+        )
+        if sampling.prompt_logprobs is None:
+            return gen
+        return self._with_prompt_logprobs(gen, sampling.prompt_logprobs, key)
+
+    def _with_prompt_logprobs(self, gen: Generation, k: int, key: tuple[object, ...]) -> Generation:
+        """``gen`` with made-up logprobs for its prompt tokens (the first has none)."""
+        ids = gen.prompt_token_ids
+        lps = [_logprob(("prompt", *key), i, t) for i, t in enumerate(ids)]
+        tops: list[tuple[tuple[int, float], ...] | None] = [None]
+        tops += [
+            _alternatives(t, lp, k, self._tokenizer.vocab_size) if k else ()
+            for t, lp in zip(ids[1:], lps[1:], strict=True)
+        ]
+        return replace(
+            gen,
+            prompt_logprobs=(None, *lps[1:]) if ids else (),
+            prompt_top_logprobs=tuple(tops) if ids else (),
         )
 
     # --- deciding -------------------------------------------------------------------------------

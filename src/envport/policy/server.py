@@ -13,7 +13,12 @@ included). Streamed completions carry the legacy logprobs of each chunk's own to
 ``"return_token_ids": false``; clients that do not know the fields ignore them, and a
 recording gateway wants them without having to ask. Logprobs come in OpenAI's shapes
 when asked for (``logprobs: true`` / ``top_logprobs`` for chat, ``logprobs: N`` for
-completions). Any ``model`` name is accepted; responses carry the policy's own name.
+completions). ``/v1/completions`` takes a text, a list of texts, token ids or a list of
+token-id lists (each prompt its own ``n`` choices), and ``echo``: the prompt's text comes
+before the completion's, and with ``logprobs`` the prompt's tokens come first in them (the
+first with ``None``), as vLLM reports them; ``token_ids`` stay the completion's. Unlike
+vLLM, echo keeps the prompt text when token ids are returned (vLLM then echoes ``""``).
+Any ``model`` name is accepted; responses carry the policy's own name.
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 for
 malformed JSON and invalid fields (a token-id prompt with an id outside the vocabulary
@@ -253,7 +258,12 @@ class _Request(_Model):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(
-        self, index: int, *, top_logprobs: int, tool_choice: Any = "auto"
+        self,
+        index: int,
+        *,
+        top_logprobs: int,
+        tool_choice: Any = "auto",
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -266,6 +276,7 @@ class _Request(_Model):
             sample_index=index,
             tool_choice=tool_choice,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -279,8 +290,12 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    """``prompt`` is text, a list of texts, token ids, or a list of token-id lists; each
+    prompt of a list is its own group of ``n`` choices (indexes ``prompt * n + i``)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
 
 
 async def _parse(request: Request, model: type[_Request]) -> Any:
@@ -611,32 +626,46 @@ class _Handler:
             if fault is not None and fault.kind == "status":
                 raise _injected(fault)
             req: CompletionRequest = await _parse(request, CompletionRequest)
-            prompts: list[str | list[int]]
-            if isinstance(req.prompt, str):
-                prompts = [req.prompt]
-            elif all(isinstance(p, int) for p in req.prompt):
-                prompts = [[int(p) for p in req.prompt]]
-            else:
-                prompts = [str(p) for p in req.prompt]
+            prompts = _prompts(req.prompt)
             self._check_token_ids(prompts)
             tok = self.policy.tokenizer
             for p in prompts:
                 n_ids = len(tok.encode(p)) if isinstance(p, str) else len(p)
                 self._check_length(n_ids, req.max_tokens, "prompt")
             top = req.logprobs or 0
+            # echo with logprobs also reports the prompt tokens' logprobs, as vLLM does
+            want_prompt = req.logprobs if req.echo and req.logprobs is not None else None
             gens = await self._generate(
-                (lambda p=p, i=i: self.policy.complete(p, req.sampling(i, top_logprobs=top)))
+                (
+                    lambda p=p, i=i: self.policy.complete(
+                        p, req.sampling(i, top_logprobs=top, prompt_logprobs=want_prompt)
+                    )
+                )
                 for p in prompts
                 for i in range(req.n)
             )
             self._check_generated(gens, req.max_tokens, "prompt")
+            if want_prompt is not None and any(
+                len(g.prompt_logprobs) != len(g.prompt_token_ids) for g in gens
+            ):
+                raise APIError(
+                    f"{self.policy.name} does not report prompt logprobs, so echo cannot be "
+                    "combined with logprobs here; drop one of them.",
+                    param="echo",
+                    code="unsupported_parameter",
+                )
         except APIError as exc:
             return exc.response()
+        echoes = [
+            (p if isinstance(p, str) else tok.decode(p)) if req.echo else ""
+            for p in prompts
+            for _ in range(req.n)
+        ]
         meta = self._meta("cmpl")
         if req.stream:
-            parts = list(self._completion_stream(req, gens, meta))
+            parts = list(self._completion_stream(req, gens, meta, echoes))
             return self._finish(fault, _stream_response(parts), parts)
-        body = self._completion_body(req, gens, meta, len(prompts))
+        body = self._completion_body(req, gens, meta, len(prompts), echoes)
         encoded = json.dumps(body, ensure_ascii=False).encode("utf-8")
         return self._finish(fault, _json_response(encoded), [encoded])
 
@@ -647,43 +676,59 @@ class _Handler:
         start: int = 0,
         stop: int | None = None,
         offset: int = 0,
+        echo: bool = False,
     ) -> dict[str, Any] | None:
         """Legacy (``/v1/completions``) logprobs of ``gen.token_ids[start:stop]``.
 
         ``text_offset`` counts from ``offset`` (vLLM streams each chunk's offsets from the
-        length of the text already sent).
+        length of the text already sent). With ``echo`` the prompt's tokens come first, the
+        first of them with ``None`` for its logprob and alternatives (nothing predicts it).
         """
         if top is None:
             return None
         tok = self.policy.tokenizer
         stop = len(gen.token_ids) if stop is None else stop
-        tokens = [tok.token_str(t) for t in gen.token_ids[start:stop]]
+        ids: list[int] = list(gen.token_ids[start:stop])
+        lps: list[float | None] = list(gen.logprobs[start:stop])
+        alts: list[tuple[tuple[int, float], ...] | None] = list(gen.top_logprobs[start:stop])
+        has_alts = bool(gen.top_logprobs) or start == stop
+        if echo:
+            ids = list(gen.prompt_token_ids) + ids
+            lps = list(gen.prompt_logprobs) + lps
+            alts = list(gen.prompt_top_logprobs) + alts
+            has_alts = has_alts and len(gen.prompt_top_logprobs) == len(gen.prompt_token_ids)
+        tokens = [tok.token_str(t) for t in ids]
         offsets, pos = [], offset
         for text in tokens:
             offsets.append(pos)
             pos += len(text)
         tops = None
-        if top > 0 and gen.top_logprobs:
+        if top > 0 and has_alts:
             tops = [
-                {tok.token_str(t): lp for t, lp in alts[:top]}
-                for alts in gen.top_logprobs[start:stop]
+                None if step is None else {tok.token_str(t): lp for t, lp in step[:top]}
+                for step in alts
             ]
         return {
             "tokens": tokens,
-            "token_logprobs": list(gen.logprobs[start:stop]),
+            "token_logprobs": lps,
             "top_logprobs": tops,
             "text_offset": offsets,
         }
 
     def _completion_body(
-        self, req: CompletionRequest, gens: list[Generation], meta: dict[str, Any], n_prompts: int
+        self,
+        req: CompletionRequest,
+        gens: list[Generation],
+        meta: dict[str, Any],
+        n_prompts: int,
+        echoes: list[str],
     ) -> dict[str, Any]:
         choices = []
         for index, gen in enumerate(gens):
             choice: dict[str, Any] = {
                 "index": index,
-                "text": gen.text or "",
-                "logprobs": self._legacy_logprobs(gen, req.logprobs),
+                "text": echoes[index] + (gen.text or ""),
+                "logprobs": self._legacy_logprobs(gen, req.logprobs, echo=req.echo),
                 "finish_reason": gen.finish_reason,
                 "stop_reason": gen.stop_reason,
             }
@@ -700,18 +745,23 @@ class _Handler:
         }
 
     def _completion_stream(
-        self, req: CompletionRequest, gens: list[Generation], meta: dict[str, Any]
+        self,
+        req: CompletionRequest,
+        gens: list[Generation],
+        meta: dict[str, Any],
+        echoes: list[str],
     ) -> Iterable[bytes]:
         """Each choice streams its segments, then a final chunk with the finish reason.
 
         As vLLM does with ``return_token_ids``, a choice's first chunk carries its
         ``prompt_token_ids`` (the final chunk is the first one when the completion is
         empty), every chunk carries ``token_ids`` for its own tokens and, when logprobs
-        were asked for, the legacy logprobs of those tokens.
+        were asked for, the legacy logprobs of those tokens. With ``echo`` the first chunk's
+        text and logprobs begin with the prompt's (its ``token_ids`` stay the completion's).
         """
         base = {**meta, "object": "text_completion"}
         for index, gen in enumerate(gens):
-            for choice in self._completion_choice_chunks(req, index, gen):
+            for choice in self._completion_choice_chunks(req, index, gen, echoes[index]):
                 yield _sse({**base, "choices": [choice]})
         if req.include_usage_chunk:
             usage = _usage(
@@ -722,7 +772,7 @@ class _Handler:
         yield _DONE
 
     def _completion_choice_chunks(
-        self, req: CompletionRequest, index: int, gen: Generation
+        self, req: CompletionRequest, index: int, gen: Generation, echo: str
     ) -> Iterable[dict[str, Any]]:
         pieces = [
             (seg.delta.get("content", ""), seg.start, seg.stop)
@@ -732,10 +782,12 @@ class _Handler:
         sent = 0  # characters already streamed: vLLM's text_offset base for the next chunk
         for n, (text, start, stop) in enumerate(pieces):
             last = n == len(pieces) - 1
+            text = echo + text if n == 0 else text
+            echoed = req.echo and n == 0
             choice: dict[str, Any] = {
                 "index": index,
                 "text": text,
-                "logprobs": self._legacy_logprobs(gen, req.logprobs, start, stop, sent),
+                "logprobs": self._legacy_logprobs(gen, req.logprobs, start, stop, sent, echoed),
                 "finish_reason": gen.finish_reason if last else None,
             }
             if last:
@@ -760,6 +812,27 @@ class _Handler:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "healthy", "model": self.policy.name})
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A completion request's prompts: one text or token-id list per choice group."""
+    if isinstance(prompt, str):
+        return [prompt]
+    ids = [p for p in prompt if isinstance(p, int)]
+    if len(ids) == len(prompt):
+        return [ids]
+    out: list[str | list[int]] = []
+    for index, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list) and p:
+            out.append([int(t) for t in p])
+        else:
+            raise APIError(
+                f"prompt[{index}] must be a text or a non-empty list of token ids.",
+                param="prompt",
+            )
+    return out
 
 
 def _injected(fault: Fault) -> APIError:

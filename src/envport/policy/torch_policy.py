@@ -333,6 +333,12 @@ class TorchPolicy:
                     ToolCall(f"call_{next(self._ids)}", c.name, c.arguments) for c in parsed
                 )
                 finish = "tool_calls"
+        prompt_lps: tuple[float | None, ...] = ()
+        prompt_tops: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+        if sampling.prompt_logprobs is not None and prompt_ids:
+            prompt_lps, prompt_tops = self._prompt_logprobs(
+                model, list(prompt_ids), sampling.prompt_logprobs
+            )
         record = SampleRecord(
             sample_id=next(self._ids),
             policy_version=weights.version,
@@ -355,7 +361,27 @@ class TorchPolicy:
             top_logprobs=tuple(tops),
             stop_reason=stop_reason,
             metadata={"policy_version": weights.version, "sample_id": record.sample_id},
+            prompt_logprobs=prompt_lps,
+            prompt_top_logprobs=prompt_tops,
         )
+
+    @staticmethod
+    def _prompt_logprobs(
+        model: TinyTransformer, prompt_ids: list[int], k: int
+    ) -> tuple[tuple[float | None, ...], tuple[tuple[tuple[int, float], ...] | None, ...]]:
+        """The model's (untempered) logprob of each prompt token given those before it."""
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt_ids]))[0, :-1].float(), dim=-1)
+        nxt = torch.tensor(prompt_ids[1:], dtype=torch.long)
+        chosen = logp.gather(1, nxt.unsqueeze(1)).squeeze(1).tolist()
+        tops: list[tuple[tuple[int, float], ...] | None] = [None]
+        for row in logp:
+            if k:
+                values, index = torch.topk(row, k)
+                tops.append(tuple(zip(index.tolist(), values.tolist(), strict=True)))
+            else:
+                tops.append(())
+        return (None, *chosen), tuple(tops)
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
         if sampling.seed is None:
