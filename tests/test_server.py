@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -286,6 +287,64 @@ async def test_reaper_spares_attached_sessions_and_reaps_detached() -> None:
         await asyncio.sleep(1.0)
         assert manager.active == 0
         assert manager.reaped >= 1
+
+
+async def _until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
+    for _ in range(int(within_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"condition still false after {within_s} s")
+
+
+class SlowCloseEnv(FaultyEnv):
+    """Echo whose teardown takes a while (a container or sandbox being removed)."""
+
+    close_s = 0.6
+
+    async def on_close(self) -> None:
+        await asyncio.sleep(self.close_s)
+
+
+async def test_reaper_never_closes_a_session_used_during_its_pass() -> None:
+    """One reaper pass finds two expired sessions and A's teardown is slow. B must not
+    be findable, attached and then closed under its user meanwhile: either it is gone
+    (reaped) by the time it is looked up, or it is left alone."""
+    from envport.errors import SessionNotFoundError
+    from envport.server.sessions import SessionManager
+
+    config = ServerConfig(idle_timeout_s=0.2, reap_interval_s=0.05, call_timeout_s=5)
+    manager = SessionManager(SlowCloseEnv, config)
+    a, b = await manager.create(), await manager.create()
+    await a.reset()
+    await b.reset()
+    await asyncio.sleep(0.3)  # both idle past the timeout
+    reaper = asyncio.create_task(manager.reaper())
+    try:
+        await _until(lambda: a.closed)  # the pass has started closing A
+        try:
+            found = manager.by_token(b.token)
+        except SessionNotFoundError:
+            found = None  # reaped in the same pass: never handed out again
+        if found is not None:
+            found.attach()  # a request uses it now
+            await asyncio.sleep(SlowCloseEnv.close_s * 2)
+            assert not found.closed, "an attached session was reaped"
+            found.detach()
+        else:
+            assert b.closed
+        await _until(lambda: not manager._reaping)  # that pass is over
+        # The closes of one pass run together, not one after another.
+        started = asyncio.get_running_loop().time()
+        c, d = await manager.create(), await manager.create()
+        c.last_active = d.last_active = 0.0
+        await _until(lambda: c.closed and d.closed and not manager._reaping)
+        assert asyncio.get_running_loop().time() - started < SlowCloseEnv.close_s * 1.8
+    finally:
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await manager.close_all()
 
 
 # --- envport extensions ----------------------------------------------------------------

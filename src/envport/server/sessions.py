@@ -63,6 +63,7 @@ class SessionManager:
         self._by_token: dict[str, Session] = {}
         self._by_tools_token: dict[str, Session] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._reaping: set[asyncio.Future[None]] = set()  # closes of reaped sessions
         self.reaped = 0
 
     @property
@@ -147,16 +148,24 @@ class SessionManager:
         session = self._by_tools_token.get(token)
         return session if session is not None else self.by_token(token)
 
-    async def close(self, session: Session) -> None:
+    def _forget(self, session: Session) -> bool:
+        """Take ``session`` out of the tables (no token finds it any more) and free its
+        slot, without awaiting anything; ``False`` if it was already gone."""
         if self.sessions.pop(session.id, None) is None:
-            return
+            return False
         self._by_token.pop(session.token, None)
         self._by_tools_token.pop(session.tools_token, None)
         self._release_slot()
-        await session.close()
+        return True
+
+    async def close(self, session: Session) -> None:
+        if self._forget(session):
+            await session.close()
 
     async def close_all(self) -> None:
         await asyncio.gather(*(self.close(s) for s in list(self.sessions.values())))
+        if self._reaping:  # closes a reaper pass started (it may have been cancelled)
+            await asyncio.gather(*self._reaping, return_exceptions=True)
 
     def expired(self, now: float | None = None) -> list[Session]:
         """Sessions nothing holds that have outlived their idle or grace period."""
@@ -171,13 +180,32 @@ class SessionManager:
                 out.append(s)
         return out
 
+    async def reap(self, now: float | None = None) -> int:
+        """Reap the sessions expired at this moment; returns how many.
+
+        Every expired session is taken out of the tables at once, before anything is
+        awaited, so none can be found (by its token), attached or used once it is
+        judged expired; their environments are then closed concurrently, so one slow
+        teardown neither delays the others nor leaves them findable meanwhile.
+        """
+        doomed = [s for s in self.expired(now) if self._forget(s)]
+        if not doomed:
+            return 0
+        self.reaped += len(doomed)
+        closes = [asyncio.ensure_future(s.close()) for s in doomed]
+        self._reaping.update(closes)
+        for task in closes:
+            task.add_done_callback(self._reaping.discard)
+        # shielded: a reaper cancelled at shutdown leaves the closes running, and
+        # close_all() waits for them.
+        await asyncio.shield(asyncio.gather(*closes, return_exceptions=True))
+        return len(doomed)
+
     async def reaper(self) -> None:
         """Reap expired sessions forever; cancel to stop."""
         while True:
             await asyncio.sleep(self.config.reap_interval_s)
-            for session in self.expired():
-                self.reaped += 1
-                await self.close(session)
+            await self.reap()
 
     def stats(self) -> dict[str, Any]:
         return {
