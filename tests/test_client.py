@@ -399,7 +399,8 @@ async def test_openenv_style_plain_jsonrpc_on_envports_mcp_route() -> None:
             assert reply["result"]["data"] == "x"
             state = (await http.get("/state", headers=control)).json()
             assert state["step_count"] == 1  # the session's own environment stepped
-            bad = (await http.post("/mcp", content=b"{nope")).json()
+            as_json = {"content-type": "application/json"}
+            bad = (await http.post("/mcp", content=b"{nope", headers=as_json)).json()
             assert bad["error"]["code"] == -32700
             unknown = await http.post("/mcp", json=request, headers={"X-Envport-Session": "x"})
             assert unknown.json()["error"]["code"] == -32603

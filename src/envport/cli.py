@@ -151,6 +151,14 @@ def serve(
             "for blocking the event loop still holds it this many seconds later; 0: never."
         ),
     ] = None,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A web origin (scheme://host[:port]; scheme://host:* for any port) whose "
+            "browser requests and WebSocket handshakes are accepted; repeatable. By default "
+            "every request carrying an Origin header (a web page's) is refused."
+        ),
+    ] = None,
     log_level: Annotated[
         LogLevel, typer.Option(case_sensitive=False, help="Server log verbosity.")
     ] = LogLevel.INFO,
@@ -170,6 +178,7 @@ def serve(
         max_frame_bytes=max_frame_bytes,
         stall_warn_s=stall_warn,
         stall_exit_s=stall_exit,
+        allowed_origins=allow_origin or None,
     )
     from envport.server import serve as run_server  # heavy; only this command needs it
     from envport.server import ws_impl

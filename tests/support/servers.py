@@ -24,8 +24,9 @@ def run_asgi(app: Any, config: ServerConfig | None = None) -> Iterator[str]:
 def run_env_server(
     env: str | EnvFactory, config: ServerConfig | None = None, *, mcp: bool = True
 ) -> Iterator[tuple[str, Any]]:
-    """Serve an environment; yields (base URL, the Starlette app)."""
+    """Serve an environment on 127.0.0.1 (so with the MCP transport's DNS-rebinding
+    protection, as ``envport serve`` has by default); yields (base URL, the Starlette app)."""
     config = config or ServerConfig()
-    app = create_app(env, config, mcp=mcp)
+    app = create_app(env, config, mcp=mcp, host="127.0.0.1")
     with run_asgi(app, config) as url:
         yield url, app

@@ -64,7 +64,7 @@ from mcp.server.connection import Connection
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-from mcp.server.transport_security import TransportSecuritySettings
+from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -80,6 +80,7 @@ from envport.errors import (
 )
 from envport.mcp.jsonrpc import JsonRpcCode, handle_jsonrpc, jsonrpc_error
 from envport.mcp.results import ToolOutcome, call_tool
+from envport.server.security import is_json_media_type
 from envport.server.sessions import SessionManager
 from envport.session import Session, SessionStatus
 
@@ -145,7 +146,7 @@ class MCPEndpoint:
             )
             await response(scope, receive, send)
             return
-        if self.security is None and _plain_jsonrpc(scope):  # (the SDK checks Host/Origin)
+        if _plain_jsonrpc(scope):
             await self._plain(scope, receive, send)
             return
         await self._sdk.handle_request(scope, receive, send)
@@ -155,6 +156,18 @@ class MCPEndpoint:
         request answered against the session ``X-Envport-Session`` names, or a fresh
         environment for this request alone (OpenEnv's stateless HTTP)."""
         request = Request(scope, receive)
+        # The checks the SDK makes on its own requests: Host and Origin (DNS rebinding),
+        # when configured; and a JSON body, which no web page can post without a CORS
+        # preflight (a text/plain one it can).
+        refusal = await TransportSecurityMiddleware(self.security).validate_request(request)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        if not is_json_media_type(request.headers.get("content-type")):
+            message = "Unsupported Media Type: the request body must be application/json."
+            bad = jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, message)
+            await JSONResponse(bad, status_code=415)(scope, receive, send)
+            return
         declared = request.headers.get("content-length", "")
         too_big = declared.isdigit() and int(declared) > self.manager.config.max_frame_bytes
         body = b"" if too_big else await request.body()

@@ -130,7 +130,7 @@ def serve(
     import uvicorn
 
     config = config or ServerConfig()
-    app = create_app(env, config)
+    app = create_app(env, config, host=host)
     uvicorn.Server(
         uvicorn_config(app, host=host, port=port, config=config, log_level=log_level)
     ).run()

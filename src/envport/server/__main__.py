@@ -27,6 +27,13 @@ def main() -> None:
     parser.add_argument("--max-sessions", type=int, default=4096)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web origin whose browser requests are accepted (repeatable; default none)",
+    )
+    parser.add_argument(
         "--env-options",
         default="{}",
         help="JSON object of keyword arguments for the environment's constructor",
@@ -49,9 +56,11 @@ def main() -> None:
         _report(exc)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    config = ServerConfig(max_sessions=args.max_sessions)
+    config = ServerConfig(max_sessions=args.max_sessions, allowed_origins=args.allow_origin)
     try:
-        app = create_app(factory, config)  # builds one environment: its constructor runs
+        app = create_app(
+            factory, config, host=args.host
+        )  # builds one environment: its constructor runs
     except EnvportError as exc:
         _report(exc)
     import uvicorn

@@ -13,11 +13,13 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import Route, WebSocketRoute
 
 from envport.loopwatch import LoopWatchdog
 from envport.registry import resolve
 from envport.server import http
+from envport.server.security import OriginGuard, mcp_security
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.server.ws import websocket_endpoint
 from envport.session import EnvFactory, build_env
@@ -29,8 +31,15 @@ def create_app(
     config: ServerConfig | None = None,
     *,
     mcp: bool = True,
+    host: str | None = None,
 ) -> Starlette:
-    """Serve ``env`` (a registry id, ``module:Class``, or a zero-argument factory)."""
+    """Serve ``env`` (a registry id, ``module:Class``, or a zero-argument factory).
+
+    ``host`` is the address the server will bind, if known: a loopback one turns on the
+    MCP transport's DNS-rebinding protection (:func:`~envport.server.security.mcp_security`).
+    Browser requests from origins outside ``config.allowed_origins`` are refused either
+    way (:class:`~envport.server.security.OriginGuard`).
+    """
     config = config or ServerConfig()
     factory, env_name = resolve(env)
     manager = SessionManager(factory, config)
@@ -41,7 +50,9 @@ def create_app(
     if mcp:
         from envport.mcp.server import MCPEndpoint
 
-        endpoint = MCPEndpoint(manager, name=env_name)
+        endpoint = MCPEndpoint(
+            manager, name=env_name, security=mcp_security(host, config.allowed_origins)
+        )
 
     watchdog = None
     if config.stall_warn_s is not None:
@@ -82,7 +93,8 @@ def create_app(
     ]
     if endpoint is not None:
         routes.append(Route("/mcp", endpoint.asgi, methods=["GET", "POST", "DELETE"]))
-    app = Starlette(routes=routes, lifespan=lifespan)
+    guard = Middleware(OriginGuard, allowed=config.allowed_origins)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard])
     app.state.manager = manager
     app.state.watchdog = watchdog
     app.state.metadata = meta

@@ -25,6 +25,7 @@ from envport.errors import (
     PayloadTooLargeError,
     as_envport_error,
 )
+from envport.server.security import check_json_body
 from envport.server.sessions import SessionManager
 from envport.session import Session
 
@@ -52,7 +53,8 @@ def error_response(exc: Exception) -> Response:
     headers = {}
     if "retry_after_s" in exc.details:
         headers["Retry-After"] = str(max(1, round(float(exc.details["retry_after_s"]))))
-    return ORJSONResponse(body, status_code=HTTP_STATUS[exc.code], headers=headers)
+    status = getattr(exc, "http_status", None) or HTTP_STATUS[exc.code]
+    return ORJSONResponse(body, status_code=status, headers=headers)
 
 
 def _manager(request: Request) -> SessionManager:
@@ -68,6 +70,9 @@ async def _body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > limit:
         raise PayloadTooLargeError(f"Body of {len(raw)} bytes exceeds {limit} bytes.")
+    # Only JSON: a text/plain or form body is what a web page may post cross-site
+    # without a CORS preflight (envport.server.security).
+    check_json_body(request.headers.get("content-type"), raw)
     if not raw.strip():
         return {}
     try:
@@ -153,6 +158,7 @@ async def state(request: Request) -> Response:
 async def create_session(request: Request) -> Response:
     manager = _manager(request)
     try:
+        await _body(request)  # no options yet; a body, if any, must be JSON
         session = await manager.create()
     except EnvportError as exc:
         return error_response(exc)

@@ -40,6 +40,12 @@ class ServerConfig(BaseModel):
     resume_grace_s: float = Field(30.0, ge=0, description="How long a dropped WS may resume.")
     max_frame_bytes: int = Field(16 * 2**20, ge=1024, description="Largest frame or body.")
     reap_interval_s: float = Field(1.0, gt=0)
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Web origins (scheme://host[:port], or scheme://host:* for any port) "
+        "whose browser requests and WebSocket handshakes are accepted; a request with any "
+        "other Origin header is refused (403). Clients that are not browsers send none.",
+    )
     max_batch: int = Field(4096, ge=1, description="Most operations in one batch frame.")
     stall_warn_s: float | None = Field(
         1.0, gt=0, description="Log an event-loop stall longer than this (None: no watchdog)."
