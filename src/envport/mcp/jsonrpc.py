@@ -9,7 +9,10 @@ result rather than left unanswered).
 
 Shapes follow OpenEnv's ``mcp_types.JsonRpcResponse``: ``{"jsonrpc": "2.0", "id": ...,
 "result": ...}`` or ``{"jsonrpc": "2.0", "id": ..., "error": {"code", "message",
-"data"}}``. Methods: ``initialize``, ``ping``, ``tools/list``, ``tools/call``. A
+"data"}}``. Methods: ``initialize``, ``ping``, ``tools/list``, ``tools/call``, and
+OpenEnv's session methods (``openenv/session/create``, ``openenv/session/close``;
+on a connection's own session, create answers that session's id for ``/mcp`` (its
+tools-only token) and close is refused, as OpenEnv's server does). A
 ``tools/call`` result is MCP's ``CallToolResult`` (``content``, ``structuredContent``,
 ``isError``) plus ``data``, the raw return value, which is where OpenEnv's
 ``MCPToolClient`` looks for it. Error codes: -32700 unparseable text, -32600 not a
@@ -40,6 +43,13 @@ class JsonRpcCode(IntEnum):
     METHOD_NOT_FOUND = -32601
     INVALID_PARAMS = -32602
     INTERNAL_ERROR = -32603
+    SERVER_ERROR = -32000
+
+
+#: OpenEnv's JSON-RPC extension methods for an MCP session over plain HTTP ``/mcp``
+#: (``MCPToolClient``'s production mode).
+SESSION_CREATE = "openenv/session/create"
+SESSION_CLOSE = "openenv/session/close"
 
 
 class _RpcError(Exception):
@@ -113,6 +123,19 @@ async def _dispatch(session: Session, method: str, params: dict[str, Any]) -> di
         return {"tools": tool_listing(session.env.tool_specs())}
     if method == "tools/call":
         return await _tools_call(session, params)
+    if method == SESSION_CREATE:  # the session this request is bound to already exists
+        return {"session_id": session.tools_token}
+    if method == SESSION_CLOSE:
+        target = params.get("session_id")
+        if not isinstance(target, str) or not target:
+            raise _RpcError(JsonRpcCode.INVALID_PARAMS, "Invalid params - 'session_id' is required")
+        if target in (session.tools_token, session.token, session.id):
+            raise _RpcError(
+                JsonRpcCode.INVALID_REQUEST,
+                "Cannot close the session this request is bound to via an MCP method "
+                "(close it on its own connection).",
+            )
+        raise _RpcError(JsonRpcCode.INVALID_PARAMS, "Unknown session_id (not closable here).")
     raise _RpcError(JsonRpcCode.METHOD_NOT_FOUND, f"Method not found: {method}", method)
 
 

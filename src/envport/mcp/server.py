@@ -78,7 +78,13 @@ from envport.errors import (
     SessionNotFoundError,
     ToolError,
 )
-from envport.mcp.jsonrpc import JsonRpcCode, handle_jsonrpc, jsonrpc_error
+from envport.mcp.jsonrpc import (
+    SESSION_CLOSE,
+    SESSION_CREATE,
+    JsonRpcCode,
+    handle_jsonrpc,
+    jsonrpc_error,
+)
 from envport.mcp.results import ToolOutcome, call_tool
 from envport.server.security import is_json_media_type
 from envport.server.sessions import SessionManager
@@ -117,6 +123,8 @@ class MCPEndpoint:
         # Stateful environments need the handshake era; see the module docstring.
         self.server.add_request_handler("server/discover", types.RequestParams, _no_discover)
         self._sdk: StreamableHTTPSessionManager | None = None
+        # OpenEnv's plain-HTTP MCP sessions (openenv/session/create), by tools-only token
+        self._openenv_sessions: dict[str, Session] = {}
         self.asgi = _EndpointApp(self)
 
     @asynccontextmanager
@@ -175,21 +183,93 @@ class MCPEndpoint:
             large = jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, "Request too large.")
             await JSONResponse(large, status_code=413)(scope, receive, send)
             return
-        token = request.headers.get(SESSION_HEADER)
+        answer = await self._plain_answer(request.headers.get(SESSION_HEADER), body)
+        await JSONResponse(answer)(scope, receive, send)
+
+    async def _plain_answer(self, token: str | None, body: bytes) -> dict[str, Any]:
+        parsed = _parse(body)
+        request_id = parsed.get("id") if parsed is not None else None
+        params = parsed.get("params") if parsed is not None else None
+        params = params if isinstance(params, dict) else {}
+        method = parsed.get("method") if parsed is not None else None
         try:
             if token:
-                answer = await handle_jsonrpc(self.manager.for_tools(token), body)
-            else:
-                session = await self.manager.create()
-                try:
-                    await session.reset()
-                    answer = await handle_jsonrpc(session, body)
-                finally:
-                    await self.manager.close(session)
+                return await handle_jsonrpc(self.manager.for_tools(token), body)
+            if parsed is not None and parsed.get("jsonrpc") == "2.0":
+                if method == SESSION_CREATE:
+                    return await self._openenv_create(request_id)
+                if method == SESSION_CLOSE:
+                    return await self._openenv_close(request_id, params.get("session_id"))
+            named = params.get("session_id")
+            if named is not None:  # OpenEnv's MCPToolClient, production mode
+                session = self._openenv_session(named)
+                if session is None:
+                    code = JsonRpcCode.INVALID_PARAMS
+                    return jsonrpc_error(request_id, code, f"Unknown session_id: {named}")
+                if session.status is SessionStatus.POISONED and named in self._openenv_sessions:
+                    await session.reset()  # a call timed out; MCP has no reset (as _session_for)
+                return await handle_jsonrpc(session, body)
+            session = await self.manager.create()
+            try:
+                await session.reset()
+                return await handle_jsonrpc(session, body)
+            finally:
+                await self.manager.close(session)
         except EnvportError as exc:  # no such session, or none to be had
             code = JsonRpcCode.INTERNAL_ERROR
-            answer = jsonrpc_error(_request_id(body), code, exc.message, exc.to_wire())
-        await JSONResponse(answer)(scope, receive, send)
+            return jsonrpc_error(request_id, code, exc.message, exc.to_wire())
+
+    # --- OpenEnv's MCP sessions over plain HTTP ----------------------------------------
+
+    async def _openenv_create(self, request_id: Any) -> dict[str, Any]:
+        """``openenv/session/create``: a new envport session (reset once) whose
+        ``session_id`` (its tools-only token) later requests name in their params."""
+        for key in [k for k, s in self._openenv_sessions.items() if s.closed]:
+            del self._openenv_sessions[key]  # reaped or shut down meanwhile
+        try:
+            session = await self.manager.create()
+        except EnvportError as exc:  # capacity, or the environment cannot be built
+            return jsonrpc_error(request_id, JsonRpcCode.SERVER_ERROR, exc.message, exc.to_wire())
+        try:
+            await session.reset()
+        except BaseException as exc:
+            await self.manager.close(session)
+            if not isinstance(exc, EnvportError):
+                raise
+            return jsonrpc_error(request_id, JsonRpcCode.SERVER_ERROR, exc.message, exc.to_wire())
+        self._openenv_sessions[session.tools_token] = session
+        return {"jsonrpc": "2.0", "id": request_id, "result": {"session_id": session.tools_token}}
+
+    async def _openenv_close(self, request_id: Any, named: Any) -> dict[str, Any]:
+        """``openenv/session/close``: end a session ``openenv/session/create`` made."""
+        if not isinstance(named, str) or not named:
+            message = "Invalid params - 'session_id' is required"
+            return jsonrpc_error(request_id, JsonRpcCode.INVALID_PARAMS, message)
+        session = self._openenv_sessions.pop(named, None)
+        if session is None or session.closed:
+            if self._openenv_session(named) is not None:
+                message = (
+                    "That session was not created by openenv/session/create: close it with "
+                    "its control token (DELETE /sessions, or its WebSocket's close frame)."
+                )
+                return jsonrpc_error(request_id, JsonRpcCode.INVALID_REQUEST, message)
+            message = f"Unknown session_id: {named}"
+            return jsonrpc_error(request_id, JsonRpcCode.INVALID_PARAMS, message)
+        await self.manager.close(session)
+        result = {"session_id": named, "closed": True}
+        return {"jsonrpc": "2.0", "id": request_id, "result": result}
+
+    def _openenv_session(self, named: Any) -> Session | None:
+        """The live session a request's ``params.session_id`` names (a tools-only or
+        control token, as the header takes), touched so it counts as in use."""
+        if not isinstance(named, str) or not named:
+            return None
+        try:
+            session = self.manager.for_tools(named)
+        except EnvportError:
+            return None
+        session.touch()
+        return session
 
     # --- MCP handlers ------------------------------------------------------------------
 
@@ -279,12 +359,14 @@ def _plain_jsonrpc(scope: Scope) -> bool:
     return b"text/event-stream" not in accept
 
 
-def _request_id(body: bytes) -> Any:
+def _parse(body: bytes) -> dict[str, Any] | None:
+    """The request object ``body`` holds, if it is one (else ``handle_jsonrpc`` says what
+    is wrong with it)."""
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
-    return parsed.get("id") if isinstance(parsed, dict) else None
+    return parsed if isinstance(parsed, dict) else None
 
 
 class _EndpointApp:
