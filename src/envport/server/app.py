@@ -19,6 +19,7 @@ from starlette.routing import Route, WebSocketRoute
 from envport.loopwatch import LoopWatchdog
 from envport.registry import resolve
 from envport.server import http
+from envport.server.openapi import openapi_document
 from envport.server.security import OriginGuard, mcp_security
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.server.ws import websocket_endpoint
@@ -90,6 +91,7 @@ def create_app(
         Route("/sessions", http.create_session, methods=["POST"]),
         Route("/sessions", http.delete_session, methods=["DELETE"]),
         Route("/stats", http.stats, methods=["GET"]),
+        Route("/openapi.json", http.openapi, methods=["GET"]),
     ]
     if endpoint is not None:
         routes.append(Route("/mcp", endpoint.asgi, methods=["GET", "POST", "DELETE"]))
@@ -103,4 +105,10 @@ def create_app(
         "tools": [t.model_dump() for t in probe.tool_specs()],
     }
     app.state.env_name = env_name
+    app.state.openapi = openapi_document(
+        title=meta.name or env_name,
+        description=meta.description or "",
+        schemas=app.state.schemas,
+        mcp=endpoint is not None,
+    )
     return app

@@ -202,3 +202,7 @@ async def metadata(request: Request) -> Response:
 
 async def schema(request: Request) -> Response:
     return ORJSONResponse(request.app.state.schemas)
+
+
+async def openapi(request: Request) -> Response:
+    return ORJSONResponse(request.app.state.openapi)
