@@ -289,6 +289,30 @@ async def test_reaper_spares_attached_sessions_and_reaps_detached() -> None:
         assert manager.reaped >= 1
 
 
+async def test_http_use_of_a_dropped_websocket_session_keeps_its_resume_grace() -> None:
+    """A session a WebSocket dropped expires by resume_grace_s; an HTTP request with its
+    token must not turn it into an HTTP session that lives for idle_timeout_s."""
+    config = ServerConfig(idle_timeout_s=60, resume_grace_s=0.4, reap_interval_s=0.05)
+    with run_env_server("echo-v1", config, mcp=False) as (url, app):
+        manager = app.state.manager
+        async with connect(ws_url(url)) as ws:
+            token = (await ask(ws, {"type": "hello"}))["data"]["token"]
+            await ask(ws, {"type": "reset"})
+        async with httpx.AsyncClient(base_url=url) as http:
+            r = await http.get("/state", headers={"X-Envport-Session": token})
+            assert r.status_code == 200
+        assert manager.active == 1
+        await _until(lambda: manager.active == 0, within_s=3.0)  # not 60 s
+
+        # A plain HTTP session still lives by idleness after its requests.
+        async with httpx.AsyncClient(base_url=url) as http:
+            made = (await http.post("/sessions")).json()
+            headers = {"X-Envport-Session": made["token"]}
+            assert (await http.post("/reset", json={}, headers=headers)).status_code == 200
+            await asyncio.sleep(0.8)
+            assert (await http.get("/state", headers=headers)).status_code == 200
+
+
 async def _until(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
     for _ in range(int(within_s / 0.01)):
         if predicate():

@@ -55,7 +55,9 @@ class Connection:
         owned, self.owned, self.primary = list(self.owned.values()), {}, None
         for session in owned:
             session.detach()
-            if not keep_for_resume:
+            if keep_for_resume:
+                self.manager.resumable.add(session.id)
+            else:
                 await self.manager.close(session)
 
     def find(self, item: dict[str, Any]) -> Session:

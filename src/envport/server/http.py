@@ -96,7 +96,9 @@ async def _session_for(request: Request) -> AsyncIterator[tuple[Session, bool]]:
             yield session, True
         finally:
             session.detach()
-            session.detached_at = None  # HTTP sessions expire by idleness, not grace
+            if session.id not in manager.resumable:
+                session.detached_at = None  # HTTP sessions expire by idleness, not grace
+            # else a session a WebSocket dropped: its resume grace runs from now
         return
     session = await manager.create()
     try:

@@ -70,6 +70,9 @@ class SessionManager:
         self._by_tools_token: dict[str, Session] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._reaping: set[asyncio.Future[None]] = set()  # closes of reaped sessions
+        #: ids of sessions a WebSocket kept for resuming when it dropped: they expire by
+        #: ``resume_grace_s`` once nothing holds them, however they are used meanwhile.
+        self.resumable: set[str] = set()
         self.reaped = 0
 
     @property
@@ -161,6 +164,7 @@ class SessionManager:
             return False
         self._by_token.pop(session.token, None)
         self._by_tools_token.pop(session.tools_token, None)
+        self.resumable.discard(session.id)
         self._release_slot()
         return True
 
