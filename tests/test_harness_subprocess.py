@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -167,6 +168,24 @@ async def test_task_on_stdin_in_a_file_and_stdin_closed_by_default(tmp_path: Pat
     assert result.exit_code == 1
     assert not result.timed_out
     assert "EOFError" in result.stderr_tail
+
+
+async def test_placeholders_in_the_task_text_are_left_as_they_are(tmp_path: Path) -> None:
+    # One pass over the template: a task that mentions {workdir} or {task} keeps it.
+    echo = "import os, sys; print(sys.argv[1]); print(os.environ['NOTE'])"
+    harness = SubprocessHarness(
+        [sys.executable, "-c", echo, "{task}"],
+        env={"NOTE": "{task}|{state_dir}"},
+        task_input="file",
+    )
+    task = "Write f'{workdir}/out.txt'; keep {task}, {state_dir} and {task_file} literal"
+    result = await harness.run(task, workdir=tmp_path / "work")
+    line, note = result.stdout_tail.splitlines()
+    assert line == task
+    text, state_dir = note.split("|")
+    assert text == task
+    assert state_dir.startswith(tempfile.gettempdir())
+    assert "{" not in state_dir
 
 
 async def test_output_is_bounded_to_its_tail(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ import contextlib
 import contextvars
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -498,11 +499,13 @@ def write_task_files(task: Task, root: Path) -> None:
 
 
 def _fill(template: str, values: Mapping[str, str]) -> str:
-    """Replace ``{name}`` placeholders; unknown braces (shell, JSON) are left alone."""
-    out = template
-    for key, value in values.items():
-        out = out.replace("{" + key + "}", value)
-    return out
+    """Replace ``{name}`` placeholders in one pass; unknown braces (shell, JSON) are left
+    alone, and so is anything in a substituted value (a task that mentions ``{workdir}``
+    keeps it)."""
+    if not values:
+        return template
+    names = "|".join(re.escape(key) for key in values)
+    return re.sub(r"\{(" + names + r")\}", lambda m: values[m.group(1)], template)
 
 
 def _snake(status: str) -> str:
