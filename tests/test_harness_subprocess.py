@@ -150,6 +150,69 @@ async def test_fake_agent_gets_endpoint_task_workdir_and_nothing_else(
     assert Trace.from_json(trace.to_json()).metadata["harness"] == meta
 
 
+#: An agent on an Anthropic model: the official anthropic SDK, configured only by env vars.
+ANTHROPIC_AGENT = """
+import json, os, sys
+import anthropic
+
+client = anthropic.Anthropic(max_retries=0)  # ANTHROPIC_BASE_URL, _API_KEY from the env
+reply = client.messages.create(
+    model="envport-scripted", max_tokens=32, messages=[{"role": "user", "content": sys.argv[1]}]
+)
+print(json.dumps({
+    "text": "".join(b.text for b in reply.content if b.type == "text"),
+    "base_url": os.environ.get("ANTHROPIC_BASE_URL"),
+}))
+"""
+
+
+def test_endpoint_sets_both_dialects_variables_from_a_gateway_grant() -> None:
+    env = ModelEndpoint(base_url="http://gw/rollouts/r1/v1", api_key="tok").env()
+    assert env == {
+        "OPENAI_BASE_URL": "http://gw/rollouts/r1/v1",
+        "OPENAI_API_BASE": "http://gw/rollouts/r1/v1",
+        "OPENAI_API_KEY": "tok",
+        "ANTHROPIC_BASE_URL": "http://gw/rollouts/r1",  # the SDK appends /v1/messages
+        "ANTHROPIC_API_KEY": "tok",
+        "ANTHROPIC_AUTH_TOKEN": "tok",
+    }
+    own = ModelEndpoint(
+        base_url="http://a/v1/", api_key="k", anthropic_base_url="http://b", anthropic_api_key="x"
+    ).env()
+    assert (own["ANTHROPIC_BASE_URL"], own["ANTHROPIC_API_KEY"]) == ("http://b", "x")
+    assert ModelEndpoint(base_url="http://a/v1/", api_key="k").env()["ANTHROPIC_BASE_URL"] == (
+        "http://a"
+    )
+
+
+async def test_anthropic_sdk_agent_reaches_the_gateway_with_the_grant_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gateway_app = pytest.importorskip("envport.gateway.app")
+    pytest.importorskip("anthropic")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", "http://real-provider.invalid")
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "the-real-provider-key")
+    policy_app = create_policy_app(ScriptedPolicy(seed=0, p_correct=1.0))
+    with serve_in_thread(policy_app) as upstream:
+        gateway = gateway_app.Gateway([f"{upstream}/v1"])
+        with serve_in_thread(gateway_app.create_gateway_app(gateway), lean=True) as url:
+            admin = {"Authorization": f"Bearer {gateway.orchestrator_token}"}
+            async with httpx.AsyncClient(base_url=url, headers=admin) as http:
+                grant = (await http.post("/admin/rollouts", json={})).json()
+                endpoint = ModelEndpoint(base_url=grant["base_url"], api_key=grant["token"])
+                harness = SubprocessHarness(
+                    [sys.executable, _script(tmp_path, ANTHROPIC_AGENT), "{task}"], timeout_s=60
+                )
+                result = await harness.run("What is 2 + 3?", endpoint)
+                recorded = (await http.get(f"/admin/rollouts/{grant['rollout_id']}")).json()
+    assert result.exit_code == 0, result.stderr_tail
+    report = json.loads(result.stdout_tail)
+    assert report["base_url"] == grant["anthropic_base_url"]
+    assert report["text"].strip() == "5"
+    [call] = recorded["model_calls"]
+    assert call["error"] is None
+
+
 async def test_task_on_stdin_in_a_file_and_stdin_closed_by_default(tmp_path: Path) -> None:
     upper = "import sys; print(sys.stdin.read().upper())"
     via_stdin = SubprocessHarness([sys.executable, "-c", upper], task_input="stdin")

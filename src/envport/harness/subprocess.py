@@ -4,7 +4,8 @@ A :class:`SubprocessHarness` starts an agent program the way its users start it.
 changes nothing in the agent; it only controls what the agent is given:
 
 * **the model endpoint**, through the environment variables agents already read
-  (``OPENAI_BASE_URL``/``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``).
+  (``OPENAI_BASE_URL``/``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``,
+  and their variants).
   Point them at the gateway's rollout-scoped URL and every model call lands in the
   trace without the agent knowing (:class:`ModelEndpoint`);
 * **the task**, in the argv (``{task}``), on stdin, or in a file (``{task_file}``);
@@ -101,8 +102,11 @@ class ModelEndpoint:
 
     ``base_url`` is an OpenAI-style base URL, ``/v1`` included
     (``http://gw/rollouts/r1/v1``); ``anthropic_base_url`` is the root that Anthropic's
-    SDK appends ``/v1/messages`` to. ``api_key`` is the rollout's agent token;
-    ``anthropic_api_key`` defaults to it.
+    SDK appends ``/v1/messages`` to, by default ``base_url`` less its trailing ``/v1``
+    (the gateway serves both dialects under one rollout root). ``api_key`` is the
+    rollout's agent token; ``anthropic_api_key`` defaults to it. Both dialects' variables
+    are always set, so an agent on an Anthropic model never falls back to the real
+    provider's URL.
     """
 
     base_url: str
@@ -118,10 +122,18 @@ class ModelEndpoint:
 
     def env(self) -> dict[str, str]:
         """The variables an OpenAI or Anthropic SDK reads to reach this endpoint."""
-        out = {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key}
-        if self.anthropic_base_url is not None:
-            out["ANTHROPIC_BASE_URL"] = self.anthropic_base_url
-            out["ANTHROPIC_API_KEY"] = self.anthropic_api_key or self.api_key
+        anthropic_url = self.anthropic_base_url
+        if anthropic_url is None:
+            anthropic_url = self.base_url.rstrip("/").removesuffix("/v1")
+        anthropic_key = self.anthropic_api_key or self.api_key
+        out = {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_BASE": self.base_url,  # the older name (litellm reads both)
+            "OPENAI_API_KEY": self.api_key,
+            "ANTHROPIC_BASE_URL": anthropic_url,
+            "ANTHROPIC_API_KEY": anthropic_key,
+            "ANTHROPIC_AUTH_TOKEN": anthropic_key,  # a bearer token (Claude Code)
+        }
         if self.mcp_url is not None:
             out["ENVPORT_MCP_URL"] = self.mcp_url
             out["ENVPORT_MCP_HEADERS"] = json.dumps(dict(self.mcp_headers))
