@@ -299,6 +299,47 @@ async def test_children_left_behind_by_an_exited_agent_are_ended(tmp_path: Path)
     assert [alive(pid) for pid in pids] == [False, False]
 
 
+#: A shell with job control: its background job runs in a process group of its own
+#: (same session). Writes "shell_pid job_pid job_pgid", then sleeps or exits.
+JOB_CONTROL_SHELL = (
+    'set -m; sleep 300 & echo "$$ $! $(ps -o pgid= -p $!)" > pids; echo started; '
+    'if [ "$1" = exit ]; then exit 0; fi; sleep 300'
+)
+
+
+@pytest.mark.parametrize("how", ["deadline", "exited", "cancelled"])
+async def test_processes_in_other_groups_of_the_session_are_ended(tmp_path: Path, how: str) -> None:
+    then = "exit" if how == "exited" else "sleep"
+    harness = SubprocessHarness(
+        ["bash", "-c", JOB_CONTROL_SHELL, "agent", then], timeout_s=2.0, kill_grace_s=0.5
+    )
+    workdir = tmp_path / "work"
+    pids_file = workdir / "pids"
+    run = asyncio.create_task(harness.run("x", workdir=workdir))
+    try:
+        async with asyncio.timeout(20):
+            while True:  # until the shell has started its job
+                if pids_file.exists() and len(pids_file.read_text().split()) == 3:
+                    break
+                await asyncio.sleep(0.05)
+        shell, job, job_group = (int(p) for p in pids_file.read_text().split())
+        assert job_group == job != shell  # the job left the agent's process group
+        if how == "cancelled":
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+        else:
+            result = await run
+            assert result.timed_out is (how == "deadline")
+        assert not alive(shell)
+        assert not alive(job)
+    finally:
+        if not run.done():
+            run.cancel()
+        if pids_file.exists() and len(pids_file.read_text().split()) == 3 and alive(job):
+            os.kill(job, signal.SIGKILL)
+
+
 async def test_cancelling_the_run_kills_the_agent(tmp_path: Path) -> None:
     harness = SubprocessHarness([sys.executable, _script(tmp_path, SLEEPER)], timeout_s=60)
     workdir = tmp_path / "work"

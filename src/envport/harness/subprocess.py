@@ -15,10 +15,12 @@ changes nothing in the agent; it only controls what the agent is given:
 * **a clean environment**: only a short allowlist of the parent's variables (``PATH``,
   ``HOME``, locale, …) is passed on, and never the parent's provider credentials, so an
   agent cannot reach a real provider, or read an orchestrator token, by accident;
-* **a deadline**: the agent runs in its own process group (session); on expiry the whole
-  group gets SIGTERM, then SIGKILL after a grace period. Stragglers left in the group
-  when the agent exits by itself are ended the same way, so nothing outlives a run (a
-  process that calls ``setsid`` itself escapes; sandboxes are the answer to that).
+* **a deadline**: the agent runs in a session of its own; on expiry every process of
+  the session gets SIGTERM, then SIGKILL after a grace period, whatever process group
+  it is in (a shell's background job with ``set -m``, a child started with
+  ``process_group=0``). Stragglers left in the session when the agent exits by itself
+  are ended the same way, so nothing outlives a run (a process that calls ``setsid``
+  itself escapes; sandboxes are the answer to that).
 
 stdin is ``/dev/null`` unless the task goes there, so an agent that would ask a
 question fails fast instead of hanging. stdout and stderr are captured through pipes,
@@ -435,10 +437,10 @@ class ControllerHarness:
 
     ``run(task, env, trace)`` starts the CLI agent exactly as
     :meth:`SubprocessHarness.run_into` does (endpoint variables, workdir, deadline,
-    process-group kill) and records the run on the trace. Every line the agent prints,
+    session kill) and records the run on the trace. Every line the agent prints,
     on stdout or stderr, is a :func:`~envport.rollout.heartbeat`, so the controller's
     hang detection covers CLI agents: one that goes silent for ``hang_timeout_s`` is
-    cut (a ``harness`` failure) and, like on any cancellation, its whole process group
+    cut (a ``harness`` failure) and, like on any cancellation, every process of its session
     is killed. A timeout, crash or unreadable outcome of the agent is a ``harness``
     error on the trace, which fails the rollout unscored.
 
@@ -543,7 +545,7 @@ def _list_files(root: Path, limit: int) -> tuple[str, ...]:
 
 def _harness_error(name: str, result: HarnessResult, deadline: float) -> TraceError | None:
     if result.timed_out:
-        message = f"{name} ran past its {deadline:g} s deadline; its process group was killed"
+        message = f"{name} ran past its {deadline:g} s deadline; its processes were killed"
         return TraceError(kind=ErrorKind.HARNESS, message=message, where=name, type="Timeout")
     if result.exit_code != 0:
         code = result.exit_code
@@ -624,7 +626,7 @@ async def _run_process(
     limit: int,
     on_line: Callable[[], None] | None = None,
 ) -> _Finished:
-    """Run ``argv`` in a new session; kill its process group on deadline or afterwards.
+    """Run ``argv`` in a new session; kill the session's processes on deadline or after.
 
     ``on_line`` is called from the event loop whenever output completes a line (on
     stdout or stderr): the controller's heartbeat for CLI agents.
@@ -640,7 +642,7 @@ async def _run_process(
         env=dict(env),
         start_new_session=True,
     )
-    pgid = transport.get_pid()  # a new session: its leader's pid is the group id
+    sid = transport.get_pid()  # a new session: its leader's pid is the session id
     timed_out = False
     ended = False
     try:
@@ -654,43 +656,36 @@ async def _run_process(
                 await capture.exited.wait()
         except TimeoutError:
             timed_out = True
-        await _end_group(pgid, capture, grace_s)
+        await _end_session(sid, capture, grace_s)
         # Output still buffered in the pipes arrives once every writer is gone.
-        # A process that left the group may still hold a pipe: then keep what we have.
+        # A process that left the session may still hold a pipe: then keep what we have.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(grace_s, 1.0)):
                 await capture.pipes_closed.wait()
         ended = True
     finally:
         if not ended:  # cancelled: nothing may outlive the run, stragglers included
-            _signal_group(pgid, signal.SIGKILL)
+            _signal_session(sid, signal.SIGKILL)
             if not capture.exited.is_set():
                 await asyncio.shield(capture.exited.wait())
-            await asyncio.shield(_group_gone(pgid))
+            await asyncio.shield(_session_gone(sid))
         transport.close()
     return _Finished(transport.get_returncode(), timed_out, capture.stdout, capture.stderr)
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to the group; ``False`` when no process is left in it."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # only zombies left, on some systems
-        return False
-    return True
+def _session_members(sid: int) -> list[int] | None:
+    """The live (not zombie) processes of session ``sid``, every process group of it;
+    ``None`` where there is no ``/proc`` to tell.
 
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process is left in the group.
-
-    ``kill(0)`` also succeeds for zombies, which linger where PID 1 does not reap
-    orphans; on Linux ``/proc`` tells them apart.
+    A process's session is the fourth field after the ``)`` that closes its name in
+    ``/proc/PID/stat``. ``kill(0)`` also succeeds for zombies, which linger where PID 1
+    does not reap orphans; the state field tells them apart.
     """
     proc = Path("/proc")
     if not proc.is_dir():
-        return _signal_group(pgid, 0)
+        return None
+    wanted = str(sid)
+    members = []
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -699,31 +694,60 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue  # gone meanwhile
         fields = stat_line.rpartition(")")[2].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+        if len(fields) > 3 and fields[3] == wanted and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
 
 
-async def _end_group(pgid: int, capture: _Capture, grace_s: float) -> None:
-    """SIGTERM the whole group, wait up to ``grace_s`` for it to go, then SIGKILL."""
-    if not _group_alive(pgid) or not _signal_group(pgid, signal.SIGTERM):
+def _signal_session(sid: int, sig: int) -> bool:
+    """Send ``sig`` to every process of the session (a child that moved to a process
+    group of its own included); ``False`` when no live process is left in it."""
+    members = _session_members(sid)
+    if members is None:  # no /proc: the leader's process group is what can be reached
+        try:
+            os.killpg(sid, sig)
+        except (ProcessLookupError, PermissionError):  # EPERM: only zombies, on some systems
+            return False
+        return True
+    sent = False
+    for pid in members:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue
+        sent = True
+    return sent
+
+
+def _session_alive(sid: int) -> bool:
+    """Whether a live (not zombie) process is left in the session."""
+    members = _session_members(sid)
+    if members is None:
+        return _signal_session(sid, 0)
+    return bool(members)
+
+
+async def _end_session(sid: int, capture: _Capture, grace_s: float) -> None:
+    """SIGTERM the whole session, wait up to ``grace_s`` for it to go, then SIGKILL."""
+    if not _signal_session(sid, signal.SIGTERM):
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if capture.exited.is_set() and not _group_alive(pgid):
+        if capture.exited.is_set() and not _session_alive(sid):
             return
         await asyncio.sleep(0.02)
-    _signal_group(pgid, signal.SIGKILL)
+    _signal_session(sid, signal.SIGKILL)
     await capture.exited.wait()
-    await _group_gone(pgid)
+    await _session_gone(sid)
 
 
-async def _group_gone(pgid: int, timeout_s: float = 10.0) -> None:
-    """Wait until a killed group has no live process left (SIGKILL takes effect when the
+async def _session_gone(sid: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL the session until no live process is left in it (one forked between a
+    scan and the signals is caught by the next round; SIGKILL takes effect when the
     process is next scheduled, which on a busy machine is not at once)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _group_alive(pgid):
+        if not _signal_session(sid, signal.SIGKILL):
             return
         await asyncio.sleep(0.02)
 
