@@ -22,6 +22,7 @@ from envport.harness.subprocess import (
     ModelEndpoint,
     SubprocessHarness,
     mini_swe_agent,
+    read_mini_swe_agent_outcome,
 )
 from envport.policy import ScriptedPolicy, create_policy_app
 from envport.serving import serve_in_thread
@@ -286,6 +287,52 @@ async def test_deadline_kills_the_whole_process_group(tmp_path: Path, ignore_ter
     assert error.kind is ErrorKind.HARNESS
     assert error.where == "sleeper"
     assert "1.5 s deadline" in error.message
+
+
+#: Saves a trajectory after each step, like mini-swe-agent, and never finishes.
+SAVES_AS_IT_GOES = """
+import json, pathlib, sys, time
+path = pathlib.Path(sys.argv[1]) / "trajectory.json"
+messages = []
+for step in range(1000):
+    messages.append({"role": "assistant", "content": f"step {step}"})
+    path.write_text(json.dumps({"info": {"exit_status": ""}, "messages": messages}))
+    print(f"step {step}", flush=True)
+    time.sleep(0.1)
+"""
+
+
+async def test_a_timed_out_agents_outcome_is_read_as_partial(tmp_path: Path) -> None:
+    harness = SubprocessHarness(
+        [sys.executable, _script(tmp_path, SAVES_AS_IT_GOES), "{state_dir}"],
+        name="slow",
+        timeout_s=1.0,
+        kill_grace_s=0.5,
+        outcome=read_mini_swe_agent_outcome,
+    )
+    trace = Trace()
+    result = await harness.run_into(trace, "work forever")
+    assert result.timed_out
+    assert result.outcome is not None
+    assert result.outcome.partial
+    assert (result.outcome.status, result.outcome.success) == (None, False)
+    assert result.outcome.info["n_messages"] >= 1
+    assert result.stop_reason == "timeout"
+    assert [e.type for e in trace.errors] == ["Timeout"]
+    assert trace.metadata["harness"]["outcome"]["partial"] is True
+    assert trace.metadata["harness"]["outcome"]["info"]["n_messages"] >= 1
+
+    def unreadable(state_dir: Path, workdir: Path) -> HarnessOutcome:
+        raise FileNotFoundError("no trajectory")
+
+    nothing = SubprocessHarness(
+        [sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=0.5, outcome=unreadable
+    )
+    trace = Trace()
+    result = await nothing.run_into(trace, "x")
+    assert (result.timed_out, result.outcome, result.stop_reason) == (True, None, "timeout")
+    assert result.outcome_error == "FileNotFoundError: no trajectory"
+    assert [e.type for e in trace.errors] == ["Timeout"]  # the timeout is the error
 
 
 async def test_children_left_behind_by_an_exited_agent_are_ended(tmp_path: Path) -> None:

@@ -30,7 +30,8 @@ the agent prints.
 The result is a :class:`HarnessResult`: exit code, output tails, whether the deadline
 hit, duration, the files left in the working directory and, when the harness has an
 ``outcome`` reader, what the agent itself reported (:class:`HarnessOutcome`; exit code
-0 does not mean the task was done). :meth:`SubprocessHarness.run_into` records all of
+0 does not mean the task was done; after a timeout, what it had saved so far, marked
+``partial``). :meth:`SubprocessHarness.run_into` records all of
 it on a :class:`~envport.trace.Trace`: a timeout, a crash or an unreadable outcome is a
 ``harness`` :class:`~envport.trace.TraceError`, data rather than an exception.
 
@@ -52,7 +53,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -153,11 +154,14 @@ class HarnessOutcome:
 
     ``status`` is the agent's word for how it ended (mini-swe-agent: ``"Submitted"``,
     ``"LimitsExceeded"``, …); ``success`` says whether that means it finished the task.
+    ``partial`` marks what was read after the agent was stopped at its deadline: the
+    files it had written by then (mini-swe-agent saves its trajectory after each step).
     """
 
     status: str | None
     success: bool
     info: dict[str, Any] = field(default_factory=dict)
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -329,11 +333,14 @@ class SubprocessHarness:
             )
             duration = time.perf_counter() - started
             outcome, outcome_error = None, None
-            if self.outcome is not None and not proc.timed_out:
+            if self.outcome is not None:  # after a timeout too: what it saved so far
                 try:
                     outcome = await asyncio.to_thread(self.outcome, state, root)
                 except Exception as exc:  # the agent's files are data: record, don't raise
                     outcome_error = f"{type(exc).__name__}: {exc}"
+                else:
+                    if proc.timed_out:
+                        outcome = replace(outcome, partial=True)
             files = await asyncio.to_thread(_list_files, root, self.max_listed_files)
         finally:
             await asyncio.shield(
@@ -396,7 +403,9 @@ class SubprocessHarness:
                 "status": result.outcome.status,
                 "success": result.outcome.success,
                 "info": result.outcome.info,
+                "partial": result.outcome.partial,
             },
+            "outcome_error": result.outcome_error,
         }
         error = _harness_error(self.name, result, timeout_s or self.timeout_s)
         if error is not None:
