@@ -4,15 +4,18 @@ are heartbeats, a silent one is cut, its process tree never outlives the attempt
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from envport.deadlines import stage_deadline
 from envport.harness.subprocess import ModelEndpoint, SubprocessHarness
 from envport.rollout import Controller, ControllerConfig, InProcessBackend, RolloutSpec
 from envport.rollout.controller import Harness
-from envport.tasks import Task
+from envport.tasks import Resources, Task, Timeouts
 from envport.trace import AsyncTraceStore, SQLiteTraceStore, Trace, TraceStatus
 from tests.support.processes import alive
 
@@ -58,10 +61,22 @@ def pids_of(path: Path) -> list[int]:
 TASK = Task(id="t", prompt="do it", env_id="echo-v1")
 
 
-async def run_one(store: AsyncTraceStore, harness: Harness, *, hang_timeout_s: float) -> Trace:
-    cfg = ControllerConfig(max_attempts=2, health_interval_s=0.2, hang_timeout_s=hang_timeout_s)
+async def run_one(
+    store: AsyncTraceStore,
+    harness: Harness,
+    *,
+    hang_timeout_s: float,
+    agent_timeout_s: float = 300.0,
+    task: Task = TASK,
+) -> Trace:
+    cfg = ControllerConfig(
+        max_attempts=2,
+        health_interval_s=0.2,
+        hang_timeout_s=hang_timeout_s,
+        agent_timeout_s=agent_timeout_s,
+    )
     ctl = Controller(store, InProcessBackend(), harness, cfg, run_id="r")
-    await ctl.run([RolloutSpec(TASK)])
+    await ctl.run([RolloutSpec(task)])
     (trace,) = await store.query(rollout_id="r/t/0")
     return trace
 
@@ -100,6 +115,11 @@ async def test_silent_cli_agent_is_cut_as_hung_and_its_tree_killed(
     leader, child = pids_of(pids)
     assert not alive(leader)
     assert not alive(child)
+    # What the agent said before it was cut is on the trace.
+    record = trace.metadata["harness"]
+    assert (record["cancelled"], record["timed_out"], record["exit_code"]) == (True, False, -9)
+    assert record["stdout_tail"] == "base_url None\nstep 0\n"
+    assert record["argv"][-1] == "hang"
 
 
 async def test_cli_agent_deadline_is_a_harness_failure(
@@ -138,3 +158,61 @@ async def test_endpoint_is_made_per_rollout(store: AsyncTraceStore, tmp_path: Pa
     assert trace.status is TraceStatus.COMPLETED, trace.errors
     assert seen == ["r/t/0"]
     assert "rollouts/r/t/0/v1" in trace.metadata["harness"]["stdout_tail"]
+
+
+class StageDeadline:
+    """Sets the agent stage's end, as the controller's agent stage does, then runs."""
+
+    def __init__(self, inner: Harness, seconds: float) -> None:
+        self.inner = inner
+        self.seconds = seconds
+
+    async def run(self, task: Task, env: Any, trace: Trace) -> None:
+        stage_deadline.set(time.monotonic() + self.seconds)
+        await self.inner.run(task, env, trace)
+
+
+@pytest.mark.parametrize("known_from", ["stage", "task"])
+async def test_harness_deadline_ends_the_agent_before_the_controllers(
+    store: AsyncTraceStore, tmp_path: Path, known_from: str
+) -> None:
+    # Chatty and endless, under a 6 s agent stage and a 60 s harness deadline: the
+    # harness stops it 2.5 s before the stage ends (kill grace 0.5 s + 2 s) and records
+    # a timeout with its output, instead of being cancelled by the controller.
+    harness, pids = agent(tmp_path, lines=10_000, every=0.1, then="exit", timeout_s=60.0)
+    harness.kill_grace_s = 0.5
+    cli: Harness = harness.for_controller()
+    task = TASK
+    if known_from == "stage":
+        cli = StageDeadline(cli, 6.0)
+    else:
+        task = with_agent_timeout(6.0)
+    trace = await run_one(store, cli, hang_timeout_s=30.0, agent_timeout_s=6.0, task=task)
+    assert trace.status is TraceStatus.FAILED
+    assert trace.stop_reason == "timeout"
+    (error,) = trace.errors
+    assert (error.kind.value, error.where, error.type) == ("harness", "cli", "Timeout")
+    assert "ran past its 3.5 s deadline" in error.message
+    record = trace.metadata["harness"]
+    assert (record["timed_out"], record["cancelled"], record["exit_code"]) == (True, False, -15)
+    assert "step 10" in record["stdout_tail"]
+    assert not any(alive(pid) for pid in pids_of(pids))
+
+
+def with_agent_timeout(seconds: float) -> Task:
+    return TASK.model_copy(update={"resources": Resources(timeouts=Timeouts(agent=seconds))})
+
+
+def test_controller_harness_timeout_fits_inside_the_stage() -> None:
+    harness = SubprocessHarness(["agent"], timeout_s=100.0, kill_grace_s=5.0)
+    cli = harness.for_controller()
+    now = time.monotonic()
+    assert cli.timeout_for(TASK, now) == 100.0  # no stage deadline known
+    assert cli.timeout_for(with_agent_timeout(500.0), now) == 100.0  # its own is shorter
+    assert 42.9 < cli.timeout_for(with_agent_timeout(50.0), now) <= 43.0  # 7 s before
+    assert 4.9 < cli.timeout_for(with_agent_timeout(10.0), now) <= 5.0  # at most half
+    token = stage_deadline.set(time.monotonic() + 30.0)  # the controller's word wins
+    try:
+        assert 22.9 < cli.timeout_for(with_agent_timeout(50.0), now) <= 23.0
+    finally:
+        stage_deadline.reset(token)

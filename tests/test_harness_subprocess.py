@@ -296,7 +296,9 @@ path = pathlib.Path(sys.argv[1]) / "trajectory.json"
 messages = []
 for step in range(1000):
     messages.append({"role": "assistant", "content": f"step {step}"})
-    path.write_text(json.dumps({"info": {"exit_status": ""}, "messages": messages}))
+    saved = {"info": {"exit_status": ""}, "messages": messages}
+    path.with_suffix(".tmp").write_text(json.dumps(saved))
+    path.with_suffix(".tmp").replace(path)
     print(f"step {step}", flush=True)
     time.sleep(0.1)
 """
@@ -306,14 +308,14 @@ async def test_a_timed_out_agents_outcome_is_read_as_partial(tmp_path: Path) -> 
     harness = SubprocessHarness(
         [sys.executable, _script(tmp_path, SAVES_AS_IT_GOES), "{state_dir}"],
         name="slow",
-        timeout_s=1.0,
+        timeout_s=3.0,
         kill_grace_s=0.5,
         outcome=read_mini_swe_agent_outcome,
     )
     trace = Trace()
     result = await harness.run_into(trace, "work forever")
     assert result.timed_out
-    assert result.outcome is not None
+    assert result.outcome is not None, (result.outcome_error, result.stderr_tail)
     assert result.outcome.partial
     assert (result.outcome.status, result.outcome.success) == (None, False)
     assert result.outcome.info["n_messages"] >= 1
@@ -401,6 +403,37 @@ async def test_cancelling_the_run_kills_the_agent(tmp_path: Path) -> None:
         await run
     leader, _child = (int(p) for p in (workdir / "pids").read_text().split())
     assert not alive(leader)
+
+
+async def test_a_cancelled_run_is_still_recorded_on_the_trace(tmp_path: Path) -> None:
+    harness = SubprocessHarness(
+        [sys.executable, _script(tmp_path, SLEEPER), "{task}"], name="sleeper", timeout_s=60
+    )
+    workdir = tmp_path / "work"
+    trace = Trace()
+    run = asyncio.create_task(harness.run_into(trace, "sleep", workdir=workdir))
+    async with asyncio.timeout(20):
+        while True:  # until the agent has said it started
+            if (workdir / "pids").exists() and (workdir / "pids").read_text():
+                break
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    record = trace.metadata["harness"]
+    assert (record["cancelled"], record["timed_out"], record["exit_code"]) == (True, False, -9)
+    assert record["stdout_tail"] == "started\n"
+    assert record["argv"][-1] == "sleep"
+    assert record["duration_s"] > 0
+    assert trace.errors == []  # the canceller says why
+
+    trace = Trace()
+    with pytest.raises(FileNotFoundError):
+        await SubprocessHarness([str(tmp_path / "no-such-agent"), "{task}"]).run_into(trace, "x")
+    record = trace.metadata["harness"]
+    assert (record["cancelled"], record["exit_code"]) == (False, None)
+    assert record["argv"] == [str(tmp_path / "no-such-agent"), "x"]
 
 
 async def test_cancelling_while_stragglers_are_ended_kills_them(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ kills the command), so the extended deadline is only the backstop.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
 #: Seconds past a call's declared ``timeout_s`` before a layer gives up on it: time for
@@ -21,6 +23,19 @@ GRACE_S = 10.0
 
 #: The longest a call may declare (one day); a larger value counts as this.
 MAX_DECLARED_S = 86_400.0
+
+#: When the stage the current task runs in must end, on :func:`time.monotonic`'s clock;
+#: ``None`` when no deadline is known. Set by whoever runs a stage under a deadline (the
+#: rollout controller, for its agent stage), in the stage's own task; read with
+#: :func:`stage_time_left` by work with a deadline of its own that must end first (a
+#: CLI agent's harness, so that it stops the agent itself and records why).
+stage_deadline: ContextVar[float | None] = ContextVar("envport_stage_deadline", default=None)
+
+
+def stage_time_left() -> float | None:
+    """Seconds left before :data:`stage_deadline` (negative once past); ``None`` if unset."""
+    deadline = stage_deadline.get()
+    return None if deadline is None else deadline - time.monotonic()
 
 
 def declared_timeout(payload: Any) -> float | None:

@@ -58,6 +58,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from envport.deadlines import stage_time_left
 from envport.tasks import Task
 from envport.trace import ErrorKind, Trace, TraceError
 
@@ -303,6 +304,17 @@ class SubprocessHarness:
         model endpoint at all (for agents that need none, and for tests).
         ``on_output`` is called each time the agent completes a line of output.
         """
+        return await self._run(task, endpoint, workdir, timeout_s, on_output, _Progress())
+
+    async def _run(
+        self,
+        task: Task | str,
+        endpoint: ModelEndpoint | None,
+        workdir: Path | str | None,
+        timeout_s: float | None,
+        on_output: Callable[[], None] | None,
+        progress: _Progress,
+    ) -> HarnessResult:
         owned = workdir is None
         remove_workdir = owned and not self.keep_workdir
         root, state = await asyncio.to_thread(_make_dirs, workdir)
@@ -317,10 +329,11 @@ class SubprocessHarness:
                 values["mcp_config"] = str(config_path)
             await asyncio.to_thread(_populate, task, root, values.get("task_file"), text)
             argv = tuple(_fill(part, values) for part in self.command)
+            progress.argv = argv
             env = self._environment(endpoint, values)
             stdin = text.encode("utf-8") if self.task_input == "stdin" else None
             deadline = self.timeout_s if timeout_s is None else timeout_s
-            started = time.perf_counter()
+            started = progress.started = time.perf_counter()
             proc = await _run_process(
                 argv,
                 cwd=root,
@@ -330,6 +343,7 @@ class SubprocessHarness:
                 grace_s=self.kill_grace_s,
                 limit=self.output_limit,
                 on_line=on_output,
+                progress=progress,
             )
             duration = time.perf_counter() - started
             outcome, outcome_error = None, None
@@ -379,13 +393,21 @@ class SubprocessHarness:
         a non-zero exit or an unreadable outcome. The trace's status is left to the
         caller (a controller also has scoring to do). Model calls are not recorded
         here: the gateway the agent talks to records them.
+
+        A run cut from outside (cancelled: a controller's hang detection or stage
+        deadline) or one that failed to start is recorded too, before the exception
+        goes on: ``metadata["harness"]`` then holds the argv, the output tails and
+        exit code as far as they got, and ``cancelled``; the caller records the error.
         """
         trace.harness = self.name
         if trace.started_at is None:
             trace.started_at = datetime.now(UTC)
-        result = await self.run(
-            task, endpoint, workdir=workdir, timeout_s=timeout_s, on_output=on_output
-        )
+        progress = _Progress()
+        try:
+            result = await self._run(task, endpoint, workdir, timeout_s, on_output, progress)
+        except BaseException as exc:
+            self._record_cut(trace, progress, isinstance(exc, asyncio.CancelledError))
+            raise
         trace.stop_reason = result.stop_reason
         trace.timings["agent"] = result.duration_s
         trace.metadata["harness"] = {
@@ -393,6 +415,7 @@ class SubprocessHarness:
             "argv": list(result.argv),
             "exit_code": result.exit_code,
             "timed_out": result.timed_out,
+            "cancelled": False,
             "duration_s": result.duration_s,
             "stdout_tail": result.stdout_tail,
             "stderr_tail": result.stderr_tail,
@@ -411,6 +434,26 @@ class SubprocessHarness:
         if error is not None:
             trace.errors.append(error)
         return result
+
+    def _record_cut(self, trace: Trace, progress: _Progress, cancelled: bool) -> None:
+        """``metadata["harness"]`` for a run that raised: what it had got to."""
+        capture, transport = progress.capture, progress.transport
+        duration = None if progress.started is None else time.perf_counter() - progress.started
+        if duration is not None:
+            trace.timings["agent"] = duration
+        trace.metadata["harness"] = {
+            "name": self.name,
+            "argv": list(progress.argv),
+            "exit_code": None if transport is None else transport.get_returncode(),
+            "timed_out": False,
+            "cancelled": cancelled,
+            "duration_s": duration,
+            "stdout_tail": "" if capture is None else capture.stdout.text(),
+            "stderr_tail": "" if capture is None else capture.stderr.text(),
+            "files": [],
+            "outcome": None,
+            "outcome_error": None,
+        }
 
     def for_controller(
         self, endpoint: ModelEndpoint | EndpointFor | None = None
@@ -449,9 +492,17 @@ class ControllerHarness:
     session kill) and records the run on the trace. Every line the agent prints,
     on stdout or stderr, is a :func:`~envport.rollout.heartbeat`, so the controller's
     hang detection covers CLI agents: one that goes silent for ``hang_timeout_s`` is
-    cut (a ``harness`` failure) and, like on any cancellation, every process of its session
-    is killed. A timeout, crash or unreadable outcome of the agent is a ``harness``
-    error on the trace, which fails the rollout unscored.
+    cut (a ``harness`` failure) and, like on any cancellation, every process of its
+    session is killed; what it printed until then stays on the trace. A timeout, crash
+    or unreadable outcome of the agent is a ``harness`` error on the trace, which fails
+    the rollout unscored.
+
+    The agent's deadline is the harness's ``timeout_s``, or less: it ends the harness's
+    ``kill_grace_s`` and 2 s more (at most half the time left) before the controller's
+    agent stage must end, so the harness stops the agent itself (SIGTERM, then
+    SIGKILL), reads its outcome, and records a timeout instead of being cancelled. The
+    stage's end is read from :data:`envport.deadlines.stage_deadline` when the
+    controller sets it, else from the task's own ``resources.timeouts.agent``.
 
     The agent works in its own working directory; ``env`` (the leased environment
     session) is not handed to the process; rubrics still score through it.
@@ -464,9 +515,22 @@ class ControllerHarness:
         self.endpoint = endpoint
         self.name = harness.name
 
+    def timeout_for(self, task: Task, started: float) -> float:
+        """The agent's deadline for a run of ``task`` that started at ``started``
+        (:func:`time.monotonic`): the harness's own, or less to end before the stage."""
+        left = stage_time_left()
+        if left is None and task.resources.timeouts.agent is not None:
+            left = task.resources.timeouts.agent - (time.monotonic() - started)
+        if left is None:
+            return self.harness.timeout_s
+        # Time to stop the agent (SIGTERM, the kill grace, SIGKILL) and read its files.
+        reserve = min(self.harness.kill_grace_s + 2.0, left / 2)
+        return max(min(self.harness.timeout_s, left - reserve), 0.001)
+
     async def run(self, task: Task, env: Any, trace: Trace) -> None:
         from envport.rollout import heartbeat  # the controller imports this module
 
+        started = time.monotonic()
         endpoint = self.endpoint
         if endpoint is not None and not isinstance(endpoint, ModelEndpoint):
             endpoint = await endpoint(task, trace)
@@ -477,7 +541,8 @@ class ControllerHarness:
         def beat() -> None:
             context.run(heartbeat)
 
-        await self.harness.run_into(trace, task, endpoint, on_output=beat)
+        timeout_s = self.timeout_for(task, started)
+        await self.harness.run_into(trace, task, endpoint, timeout_s=timeout_s, on_output=beat)
 
 
 def _make_dirs(workdir: Path | str | None) -> tuple[Path, Path]:
@@ -554,7 +619,9 @@ def _list_files(root: Path, limit: int) -> tuple[str, ...]:
 
 def _harness_error(name: str, result: HarnessResult, deadline: float) -> TraceError | None:
     if result.timed_out:
-        message = f"{name} ran past its {deadline:g} s deadline; its processes were killed"
+        message = (
+            f"{name} ran past its {round(deadline, 2):g} s deadline; its processes were killed"
+        )
         return TraceError(kind=ErrorKind.HARNESS, message=message, where=name, type="Timeout")
     if result.exit_code != 0:
         code = result.exit_code
@@ -617,6 +684,16 @@ class _Capture(asyncio.SubprocessProtocol):
 
 
 @dataclass
+class _Progress:
+    """How far a run got, for the record of one that is cut: filled in as it goes."""
+
+    argv: tuple[str, ...] = ()
+    started: float | None = None
+    capture: _Capture | None = None
+    transport: asyncio.SubprocessTransport | None = None
+
+
+@dataclass
 class _Finished:
     returncode: int | None
     timed_out: bool
@@ -634,11 +711,13 @@ async def _run_process(
     grace_s: float,
     limit: int,
     on_line: Callable[[], None] | None = None,
+    progress: _Progress | None = None,
 ) -> _Finished:
     """Run ``argv`` in a new session; kill the session's processes on deadline or after.
 
     ``on_line`` is called from the event loop whenever output completes a line (on
-    stdout or stderr): the controller's heartbeat for CLI agents.
+    stdout or stderr): the controller's heartbeat for CLI agents. ``progress`` is given
+    the output tails and the process as soon as it starts.
     """
     loop = asyncio.get_running_loop()
     transport, capture = await loop.subprocess_exec(
@@ -651,6 +730,8 @@ async def _run_process(
         env=dict(env),
         start_new_session=True,
     )
+    if progress is not None:
+        progress.capture, progress.transport = capture, transport
     sid = transport.get_pid()  # a new session: its leader's pid is the session id
     timed_out = False
     ended = False
@@ -678,6 +759,9 @@ async def _run_process(
             if not capture.exited.is_set():
                 await asyncio.shield(capture.exited.wait())
             await asyncio.shield(_session_gone(sid))
+            with contextlib.suppress(TimeoutError):  # what is left in the pipes, briefly
+                async with asyncio.timeout(0.5):
+                    await asyncio.shield(capture.pipes_closed.wait())
         transport.close()
     return _Finished(transport.get_returncode(), timed_out, capture.stdout, capture.stderr)
 
