@@ -61,7 +61,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from envport.client import EnvClient
-from envport.deadlines import GRACE_S, frame_timeout
+from envport.deadlines import GRACE_S, frame_timeout, stage_deadline
 from envport.errors import ConnectionLostError, EnvportError, EnvTimeoutError, NoReplyError
 from envport.harness.model import ModelProviderError
 from envport.procs import owner_alive, owner_tag, parse_owner
@@ -1160,6 +1160,9 @@ class Controller:
         outcome: list[Exception] = []
 
         async def guarded() -> None:
+            # The stage's end, for work that keeps its own deadline inside it (a CLI
+            # harness signals its agent first, so it can flush): in the job's context.
+            stage_deadline.set(start + deadline_s)
             try:
                 await work
             except Exception as exc:
