@@ -301,6 +301,32 @@ async def test_determinism_passes_seeded_global_random_and_per_instance_resource
     assert "3 step result(s)" in report.get("reset_determinism").message
 
 
+async def test_a_draw_by_someone_else_during_the_determinism_check_is_not_the_env_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread of the process (a library's back-off jitter, say) draws from the
+    global generator while the first instance runs: checked again, the env passes (it
+    failed the whole suite now and then); an env that draws unseeded fails both times."""
+    from envport import check
+
+    reads = 0
+    read = check._global_rng_state
+
+    def disturbed() -> tuple[Any, ...]:
+        nonlocal reads
+        reads += 1
+        if reads == 1:
+            random.random()  # the other thread's draw, just before the first reading
+        return read()
+
+    monkeypatch.setattr(check, "_global_rng_state", disturbed)
+    report = await _check(SeedsGlobalRandomEnv)
+    assert report.ok, report.failures
+    assert reads > 4  # the check ran twice
+    bad = await _check(GlobalRandomEnv)
+    assert "drew from the global random module" in bad.get("reset_determinism").message
+
+
 async def test_check_leaves_the_global_random_state_as_it_found_it() -> None:
     random.seed(1234)
     before = random.getstate()

@@ -50,6 +50,10 @@ from envport.gateway.http1 import (
     Timeouts,
 )
 
+#: Back-off jitter from a generator of our own: never a draw from the global `random`,
+#: which a user (or an environment) may have seeded.
+_jitter = random.Random()
+
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 STREAM_ERRORS = (HTTPError, OSError, TimeoutError)
 """What reading an upstream stream may raise once it started (all mapped by the relay)."""
@@ -91,7 +95,7 @@ class RetryPolicy:
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed try number ``attempt`` (1-based)."""
         delay = min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1))
-        return random.uniform(delay / 2, delay) if self.jitter else delay
+        return _jitter.uniform(delay / 2, delay) if self.jitter else delay
 
 
 def check_base_url(url: str) -> None:

@@ -47,6 +47,10 @@ from envport.errors import EnvportError
 from envport.gateway.capture import parse_response, sampling_from
 from envport.trace import ErrorKind, ModelCall, SamplingParams, TraceError
 
+#: Back-off jitter from a generator of our own: never a draw from the global `random`,
+#: which a user (or an environment) may have seeded.
+_jitter = random.Random()
+
 _KEPT_BODY = 4096  # characters of a failed answer's body kept on its recorded call
 
 
@@ -185,7 +189,7 @@ class ChatModel:
 
     def _backoff(self, retries: int, retry_after_s: float | None) -> float:
         """The wait before retry number ``retries + 1``."""
-        delay = min(self.max_backoff_s, self.backoff_s * 2.0**retries) * random.uniform(0.5, 1.0)
+        delay = min(self.max_backoff_s, self.backoff_s * 2.0**retries) * _jitter.uniform(0.5, 1.0)
         if retry_after_s is not None:
             delay = max(delay, retry_after_s)
         return min(delay, self.max_backoff_s)

@@ -61,6 +61,10 @@ from envport.trace.errors import (
 )
 from envport.trace.model import Run, Trace, TraceStatus
 
+#: Back-off jitter from a generator of our own: never a draw from the global `random`,
+#: which a user (or an environment) may have seeded.
+_jitter = random.Random()
+
 StatusFilter = TraceStatus | str | Sequence[TraceStatus | str] | None
 OrderBy = Literal["created_at", "reward"]
 _T = TypeVar("_T")
@@ -480,7 +484,7 @@ class SQLiteTraceStore:
                         f"(still locked after the {self._busy_timeout_s:g} s busy timeout): "
                         f"{exc}"
                     ) from exc
-                time.sleep(min(delay * (0.5 + random.random()), left))
+                time.sleep(min(delay * (0.5 + _jitter.random()), left))
                 delay = min(delay * 2, 0.25)
 
     def _configure(self, synchronous: str, busy_timeout_s: float) -> None:
