@@ -292,10 +292,18 @@ async def test_without_check_actions_step_is_a_warning_not_a_failure() -> None:
     assert report.get("step_count").status is CheckStatus.PASS
 
 
+@pytest.mark.parametrize("numpy_loaded", [False, True])
 @pytest.mark.parametrize("env", [SeedsGlobalRandomEnv, ResourceIdsEnv])
 async def test_determinism_passes_seeded_global_random_and_per_instance_resources(
-    env: type,
+    env: type, numpy_loaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """With numpy imported too (by anything in the process), an env that seeds `random`
+    itself and never touches numpy passes: the two generators are judged apart (both
+    together failed it whenever numpy was loaded, as in the full suite)."""
+    if numpy_loaded:
+        pytest.importorskip("numpy")
+    else:
+        monkeypatch.delitem(sys.modules, "numpy", raising=False)
     report = await _check(env)
     assert report.ok, report.failures
     assert "3 step result(s)" in report.get("reset_determinism").message
@@ -305,8 +313,8 @@ async def test_a_draw_by_someone_else_during_the_determinism_check_is_not_the_en
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Another thread of the process (a library's back-off jitter, say) draws from the
-    global generator while the first instance runs: checked again, the env passes (it
-    failed the whole suite now and then); an env that draws unseeded fails both times."""
+    global generator while the first instance runs: checked again, the env passes; an
+    env that draws unseeded fails both times."""
     from envport import check
 
     reads = 0
