@@ -19,7 +19,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from envport.coro import resume
@@ -86,17 +86,24 @@ class _Turns:
         self.busy = False
 
 
-def build_env(factory: EnvFactory) -> Env[Any, Any]:
-    """One environment from ``factory``; what its constructor raises, other than an envport
-    error, becomes :class:`~envport.errors.EnvFactoryError` naming it."""
+@contextlib.contextmanager
+def building_env() -> Iterator[None]:
+    """What building an environment raises (resolving its class, its constructor), other
+    than an envport error, becomes :class:`~envport.errors.EnvFactoryError` naming it."""
     try:
-        return factory()
+        yield
     except EnvportError:
         raise
     except Exception as exc:
         raise EnvFactoryError(
             f"Could not create the environment: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def build_env(factory: EnvFactory) -> Env[Any, Any]:
+    """One environment from ``factory`` (its failures as :func:`building_env` says)."""
+    with building_env():
+        return factory()
 
 
 class SessionStatus(enum.Enum):

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from envport.errors import ENV_ERROR_EXIT, EnvFactoryError, EnvportError, env_error_line
+from envport.errors import ENV_ERROR_EXIT, EnvportError, env_error_line
 
 
 def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
@@ -37,18 +37,13 @@ def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any,
     else its import or constructor raised (as a session's construction does)."""
     from envport.registry import resolve
     from envport.server import ServerConfig, create_app
+    from envport.session import building_env
 
     # Room beyond the leased sessions for ones a dropped connection keeps for resume.
     config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
-    try:
+    with building_env():
         factory, _ = resolve(env, options)
         return create_app(factory, config), config
-    except EnvportError:
-        raise
-    except Exception as exc:
-        raise EnvFactoryError(
-            f"Could not create the environment: {type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def instance_parser(prog: str) -> argparse.ArgumentParser:
