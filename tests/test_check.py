@@ -109,7 +109,7 @@ class UnseededStepEnv(CountEnv):
     """Seeded resets, but steps add noise from the OS."""
 
     async def on_step(self, action: CountAction) -> StepResult[CountObservation]:
-        self.total += action.amount + uuid.uuid4().int % 1000
+        self.total += action.amount + uuid.uuid4().int % (1 << 40)
         return StepResult(observation=CountObservation(total=self.total), reward=0.5)
 
 
