@@ -12,6 +12,7 @@ import json
 import logging
 import signal
 import subprocess
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -275,3 +276,51 @@ async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path:
     log = (tmp_path / "serve.log").read_text()
     assert "did not let go when interrupted; exiting (status 70)" in log
     assert "loop_stuck" in log or "faulty_envs.py" in log
+
+
+async def test_envport_serve_exits_when_c_code_holds_the_gil(tmp_path: Path) -> None:
+    """C code that never lets go of the GIL stops the watchdog thread too; faulthandler's
+    timer (a C thread) notices that no Python ran and ends the process with the stacks."""
+    options = ("--call-timeout", "0.5", "--stall-warn", "0.2", "--stall-exit", "1")
+    with envport_serve(tmp_path, *options) as (url, proc):
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "reset"})
+            await ws.send(json.dumps(step("gil_stuck")))
+            with pytest.raises(ConnectionClosed):  # the process is gone: no hang
+                await asyncio.wait_for(ws.recv(), 60)
+        assert proc.wait(30) == 1
+    log = (tmp_path / "serve.log").read_text()
+    assert "Timeout (0:00:0" in log  # faulthandler's dump, from BACKSTOP_MIN_S + 0.25 s
+    assert "in on_step" in log
+    assert "faulty_envs.py" in log
+    assert "in fullmatch" in log
+
+
+async def test_the_backstop_is_armed_on_the_main_thread_and_cancelled_at_stop() -> None:
+    watchdog = LoopWatchdog(exit_after_s=60, interval_s=0.05)
+    watchdog.start()
+    try:
+        assert watchdog._backstop
+        armed = watchdog._backstop_armed
+        await asyncio.sleep(0.3)
+        assert watchdog._backstop_armed == armed  # moved on every 5 s, not every check
+    finally:
+        watchdog.stop()
+    assert not watchdog._backstop
+    # Cancelled: nothing fires in this (pytest's) process. A second stop is harmless.
+    watchdog.stop()
+    armed_in_thread: list[bool] = []
+
+    def run() -> None:
+        async def main() -> None:
+            in_thread = LoopWatchdog(exit_after_s=60)
+            in_thread.start()
+            armed_in_thread.append(in_thread._backstop)
+            in_thread.stop()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert armed_in_thread == [False]  # a server in someone else's thread never exits it

@@ -148,7 +148,9 @@ def serve(
         float | None,
         typer.Option(
             help="Exit with status 70 when an environment call interrupted at its deadline "
-            "for blocking the event loop still holds it this many seconds later; 0: never."
+            "for blocking the event loop still holds it this many seconds later, and with "
+            "status 1 (faulthandler's stack dump) when C code holds the GIL so that no "
+            "Python runs for this long (at least 5 s); 0: never."
         ),
     ] = None,
     allow_origin: Annotated[

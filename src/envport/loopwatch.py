@@ -24,6 +24,14 @@ heartbeat the loop writes every ``interval_s``:
   supervises it (the rollout controller's pool, systemd, Kubernetes) replaces it instead
   of it hanging forever. Only a loop on the main thread does this: a server in a thread of
   someone else's process never exits it.
+* **Backstop.** The watchdog is a Python thread, so C code that holds the GIL (a huge
+  integer power, a regular expression that backtracks forever) stops it too. Where the
+  process may exit, the watchdog thread keeps a timer of :mod:`faulthandler` (a C thread
+  that needs no GIL) armed ``exit_after_s`` (at least :data:`BACKSTOP_MIN_S`) ahead,
+  moving it on every few seconds. If no Python thread runs for that long, the timer
+  dumps every thread's stack to stderr (``Timeout (...)!``) and exits with status 1.
+  The timer is the process's one ``faulthandler.dump_traceback_later``: an environment
+  must not use that too.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -45,6 +54,9 @@ log = logging.getLogger("envport.server")
 
 #: The exit status of a server that stayed stalled (``EX_SOFTWARE``).
 EXIT_STALLED = 70
+
+#: The shortest time without any Python running after which the backstop exits.
+BACKSTOP_MIN_S = 5.0
 
 #: The signal that wakes a stalled main thread (its handler raises :class:`LoopStalled`).
 INTERRUPT_SIGNAL = signal.SIGUSR2
@@ -69,6 +81,10 @@ def _guard_code() -> Any:
 # while any of them runs (one server stopping must not leave another without it).
 _on_main: set[LoopWatchdog] = set()
 _saved_handler: Any = None
+
+# Watchdogs that keep faulthandler's one timer armed (it is cancelled when the last stops).
+_backstops: set[LoopWatchdog] = set()
+_backstop_lock = threading.Lock()
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -108,6 +124,9 @@ class LoopWatchdog:
         self._stall_beat: float | None = None
         self._target: FrameType | None = None
         self._target_beat: float | None = None
+        # The GIL-free backstop: whether this watchdog keeps it armed, and since when.
+        self._backstop = False
+        self._backstop_armed = 0.0
 
     # --- lifecycle (call on the loop's thread) -----------------------------------------
 
@@ -123,6 +142,8 @@ class LoopWatchdog:
         self._beat = time.monotonic()
         self._handle = self._loop.call_later(self.interval_s, self._tick)
         self._stop.clear()
+        if self._on_main and self.exit_after_s is not None:
+            self._backstop = self._arm_backstop(time.monotonic())
         self._thread = threading.Thread(target=self._watch, name="envport-loop-watchdog")
         self._thread.daemon = True
         self._thread.start()
@@ -133,6 +154,12 @@ class LoopWatchdog:
             self._handle.cancel()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._backstop:
+            self._backstop = False
+            with _backstop_lock:
+                _backstops.discard(self)
+                if not _backstops:
+                    faulthandler.cancel_dump_traceback_later()
         if self._on_main and self in _on_main:
             _on_main.discard(self)
             if not _on_main:
@@ -155,10 +182,36 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
             try:
-                self._check(time.monotonic())
+                if self._backstop and now - self._backstop_armed >= self._backstop_step():
+                    self._arm_backstop(now)
+                self._check(now)
             except Exception:  # the watchdog must outlive anything it finds
                 log.exception("loop watchdog check failed")
+
+    def _backstop_step(self) -> float:
+        """How often the backstop's timer is moved on (each move starts a C thread)."""
+        assert self.exit_after_s is not None
+        return min(5.0, self.exit_after_s / 4)
+
+    def _arm_backstop(self, now: float) -> bool:
+        """(Re)arm faulthandler's timer to fire once no Python thread has run for
+        ``exit_after_s`` (at least BACKSTOP_MIN_S); False where it cannot (stderr has no
+        file descriptor)."""
+        assert self.exit_after_s is not None
+        with _backstop_lock:
+            if self._stop.is_set():
+                return False
+            try:
+                timeout = max(self.exit_after_s, BACKSTOP_MIN_S) + self._backstop_step()
+                faulthandler.dump_traceback_later(timeout, exit=True, file=sys.stderr)
+            except (ValueError, AttributeError, OSError, RuntimeError) as exc:
+                log.warning("No GIL-free stall backstop (faulthandler: %s)", exc)
+                return False
+            _backstops.add(self)
+        self._backstop_armed = now
+        return True
 
     def _check(self, now: float) -> None:
         beat = self._beat

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -74,6 +75,8 @@ class FaultyEnv(Env[EchoAction, EchoObservation]):
             while True:
                 with contextlib.suppress(BaseException):
                     time.sleep(3600)  # noqa: ASYNC251
+        if action.message == "gil_stuck":  # C code that holds the GIL, for years
+            re.fullmatch(r"(a|aa)+b", "a" * 100)
         if action.message == "unserialisable":  # a set has no JSON form
             return StepResult(observation=EchoObservation(echoed_message="x"), info={"ids": {1}})
         return StepResult(observation=EchoObservation(echoed_message=action.message), reward=0.0)

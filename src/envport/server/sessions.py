@@ -54,8 +54,9 @@ class ServerConfig(BaseModel):
         60.0,
         gt=0,
         description="Exit (status 70) when an environment call interrupted for blocking "
-        "the loop still holds it this long past its deadline (None: never); only a server "
-        "on the main thread.",
+        "the loop still holds it this long past its deadline, or (status 1) when no Python "
+        "thread has run for this long, at least 5 s (C code holding the GIL); None: never. "
+        "Only a server on the main thread.",
     )
 
 
