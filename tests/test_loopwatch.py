@@ -93,12 +93,14 @@ async def test_a_short_stall_is_logged_with_its_stack_and_the_call_still_answers
             reply = await ask(ws, step("loop_sleep:0.8"))
             assert reply["data"]["observation"]["echoed_message"] == "loop_sleep:0.8"
         stats = app.state.watchdog.stats()
-    assert stats["loop_stalls"] == 1
-    assert stats["loop_stall_interrupts"] == 0
-    warning = next(r.getMessage() for r in caplog.records if "has been blocked" in r.getMessage())
-    assert "faulty_envs.py" in warning
+    # A loaded machine can stall the loop for 0.2 s by itself (a late heartbeat, logged
+    # with some other stack): every stall is logged once, and one of them is the step's.
+    warnings = [r.getMessage() for r in caplog.records if "has been blocked" in r.getMessage()]
+    assert stats["loop_stalls"] == len(warnings)
+    (warning,) = (w for w in warnings if "faulty_envs.py" in w)
     assert "on_step" in warning
     assert "time.sleep" in warning
+    assert stats["loop_stall_interrupts"] == 0
 
 
 def test_the_watchdog_is_off_when_asked() -> None:
@@ -153,11 +155,16 @@ async def test_an_interrupted_environment_is_not_kept_alive_by_the_watchdog() ->
         interrupted = weakref.ref(session.env)
         with suppress(EnvTimeoutError):
             await session.step({"message": "loop_sleep:3600"})
-        await asyncio.sleep(0.5)  # the loop beats again: the stall is over
         await session.close()
         del session
         FaultyEnv.instances.clear()
-        gc.collect()
+        # The loop beats again: the stall is over, and the watchdog's next check (from
+        # its thread, which a loaded machine may run late) lets go of the stuck frame.
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            gc.collect()
+            if interrupted() is None:
+                break
         assert interrupted() is None  # the watchdog holds no frame of it
     finally:
         watchdog.stop()
@@ -206,10 +213,13 @@ async def test_a_stall_outside_any_environment_call_is_only_logged(
     finally:
         watchdog.stop()
     stats = watchdog.stats()
-    assert stats["loop_stalls"] == 1
+    # A loaded machine can stall the loop for 0.1 s by itself (a late heartbeat, logged
+    # with some other stack): every stall is logged once, and one of them is this sleep.
+    warnings = [r.getMessage() for r in caplog.records if "has been blocked" in r.getMessage()]
+    assert stats["loop_stalls"] == len(warnings)
+    assert len([w for w in warnings if "test_loopwatch.py" in w]) == 1
     assert stats["loop_stall_interrupts"] == 0
     assert stats["longest_loop_stall_s"] >= 0.2
-    assert any("test_loopwatch.py" in r.getMessage() for r in caplog.records)
 
 
 @contextmanager
