@@ -81,7 +81,7 @@ class BeatingHarness:
 
     async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
         await env.reset()
-        for _ in range(8):
+        for _ in range(12):  # 1.2 s in all, past the test's 0.8 s hang watchdog
             await asyncio.sleep(0.1)
             heartbeat()
 
@@ -184,7 +184,9 @@ async def test_heartbeats_keep_a_slow_harness_alive_but_deadlines_hold(
 
     slow = task("slow", [])
     capped = task("capped", [], resources=Resources(timeouts=Timeouts(agent=0.3)))
-    config = ControllerConfig(hang_timeout_s=0.3, health_interval_s=0.2)
+    # Beats 0.1 s apart keep it alive: the watchdog must not trip on a loop that a loaded
+    # machine (or a garbage collection) stalls between two beats, so not 0.3 s.
+    config = ControllerConfig(hang_timeout_s=0.8, health_interval_s=0.2)
     ctl = Controller(store, InProcessBackend(), BeatingHarness(), config, run_id="r")
     summary = await ctl.run([RolloutSpec(slow), RolloutSpec(capped)])
     assert (summary.succeeded, summary.failed) == (1, 1)
@@ -279,7 +281,9 @@ async def test_environment_process_killed_mid_step_is_retried(
 ) -> None:
     marker = tmp_path / "killed-once"
     tasks = [task("dies-once", [f"die_once:{marker}", "after"]), task("fine", ["hi"])]
-    config = ControllerConfig(concurrency=2, max_attempts=3, **FAST)
+    # A server process's reply can take 0.4 s on a loaded machine: FAST's hang watchdog
+    # would retry that call too. The death is seen as a dropped connection, not a hang.
+    config = ControllerConfig(concurrency=2, max_attempts=3, **{**FAST, "hang_timeout_s": 10.0})
     async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
         ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
         summary = await ctl.run([RolloutSpec(t) for t in tasks])
@@ -296,7 +300,8 @@ async def test_a_sandbox_failure_across_the_wire_is_classified_and_retried(
 ) -> None:
     marker = tmp_path / "sandbox-once"
     tasks = [task("sandbox-once", [f"sandbox_once:{marker}", "after"])]
-    config = ControllerConfig(max_attempts=3, **FAST)
+    # (not FAST's 0.4 s hang watchdog: a server process's slow reply would be retried too)
+    config = ControllerConfig(max_attempts=3, **{**FAST, "hang_timeout_s": 10.0})
     async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
         ctl = Controller(store, backend, ScriptHarness(), config, run_id="r")
         summary = await ctl.run([RolloutSpec(t) for t in tasks])
