@@ -72,8 +72,8 @@ async def serve(handler: Handler) -> AsyncIterator[Server]:
             writers.discard(writer)
             tasks.discard(task)
 
-    port = free_port()
-    server = await asyncio.start_server(on_connect, "127.0.0.1", port)
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)  # a port of its own
+    port = server.sockets[0].getsockname()[1]
     state.url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         yield state

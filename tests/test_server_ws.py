@@ -27,7 +27,7 @@ from websockets.sync.client import connect
 from envport.envs.echo import EchoAction, EchoEnv, EchoObservation
 from envport.server import ServerConfig, create_app, uvicorn_config
 from envport.server.fastws import EnvportWebSocketProtocol
-from envport.serving import free_port
+from envport.serving import listening_socket
 from envport.types import StepResult
 
 CONT, TEXT, BINARY, CLOSE, PING, PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
@@ -39,14 +39,15 @@ def ws_server(
 ) -> Iterator[uvicorn.Server]:
     """``env`` on uvicorn with envport's settings (``uv`` overrides uvicorn.Config fields)."""
     config = config or ServerConfig(max_frame_bytes=4096)
-    port = free_port()
+    sock = listening_socket()  # bound now, so no other process can take the port meanwhile
+    port = sock.getsockname()[1]
     uv_config = uvicorn_config(
         create_app(env, config, mcp=False), host="127.0.0.1", port=port, config=config
     )
     for key, value in uv.items():
         setattr(uv_config, key, value)
     server = uvicorn.Server(uv_config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([sock],), daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
     while not server.started:
@@ -58,6 +59,7 @@ def ws_server(
     finally:
         server.should_exit = True
         thread.join(timeout=20)
+        sock.close()
 
 
 class RawWS:

@@ -23,6 +23,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a port of its own on ``host`` (not yet listening)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 @contextmanager
 def serve_in_thread(
     app: Any,
@@ -45,7 +58,12 @@ def serve_in_thread(
         return
     import uvicorn
 
-    port = port or free_port(host)
+    # Bound here and handed to uvicorn: a port found free, closed and bound again later
+    # can be taken in between by any other process's connection.
+    sockets: list[socket.socket] | None = None
+    if not port:
+        sockets = [listening_socket(host)]
+        port = int(sockets[0].getsockname()[1])
     if config is not None:
         from envport.server import uvicorn_config
 
@@ -53,19 +71,25 @@ def serve_in_thread(
     else:
         uv_config = uvicorn.Config(app, host=host, port=port, log_level="warning")
     server = uvicorn.Server(uv_config)
-    thread = threading.Thread(target=server.run, name=f"envport-serve-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"server on {host}:{port} did not start")
-        time.sleep(0.01)
+    thread = threading.Thread(
+        target=server.run, args=(sockets,), name=f"envport-serve-{port}", daemon=True
+    )
     try:
-        yield f"http://{host}:{port}"
+        thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                raise RuntimeError(f"server on {host}:{port} did not start")
+            time.sleep(0.01)
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        for sock in sockets or ():
+            sock.close()  # uvicorn closes it on shutdown; not if it never started
 
 
 @contextmanager

@@ -18,30 +18,42 @@ SUPPORT = Path(__file__).parent
 
 @contextmanager
 def server_process(argv: Sequence[str], log: Path, *, timeout_s: float = 45.0) -> Iterator[str]:
-    """Run ``argv + ["--port", N]``; yields the base URL once ``/health`` answers."""
-    port = free_port()
-    with log.open("wb") as out:
-        proc = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=1.0) as http:
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server {argv} did not start:\n{log.read_text()}")
-                try:
-                    if http.get(f"{base}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
+    """Run ``argv + ["--port", N]``; yields the base URL once ``/health`` answers.
+
+    The port is found free here and bound by the server later: another process can take
+    it in between, so a server that exits because its address is in use gets another one.
+    """
+    deadline = time.monotonic() + timeout_s
+    for attempt in range(3):
+        port = free_port()
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT
+            )
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            healthy = False
+            with httpx.Client(timeout=1.0) as http:
+                while not healthy and proc.poll() is None and time.monotonic() < deadline:
+                    try:
+                        healthy = http.get(f"{base}/health").status_code == 200
+                    except httpx.HTTPError:
+                        time.sleep(0.1)
+            if not healthy:
+                output = log.read_text()
+                if proc.poll() is not None and "in use" in output and attempt < 2:
+                    continue  # its port was taken meanwhile: another one
+                raise RuntimeError(f"server {argv} did not start:\n{output}")
+            yield base
+            return
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    raise AssertionError("unreachable")
 
 
 def alive(pid: int) -> bool:
