@@ -135,8 +135,10 @@ async def test_resume_after_dropped_connection(echo_url: str) -> None:
 
 async def test_late_reply_is_never_taken_for_the_next() -> None:
     with run_env_server(FaultyEnv, ServerConfig(call_timeout_s=10), mcp=False) as (url, _):
-        async with EnvClient.connect(url, timeout_s=0.3) as env:
+        async with EnvClient.connect(url) as env:
             await env.reset()
+            # (only now: a loaded machine can take 0.3 s to answer the reset)
+            env.transport.timeout_s = 0.3  # type: ignore[attr-defined]
             with pytest.raises(NoReplyError) as timeout:  # this side's limit, not the server's
                 await env.step({"message": "sleep:1.0"})
             assert timeout.value.code == "TIMEOUT"

@@ -49,7 +49,8 @@ async def test_the_session_gives_a_declared_call_its_time_and_others_its_own() -
 @pytest.mark.parametrize("transport", ["ws", "http"])
 async def test_a_client_waits_for_a_declared_call(transport: str) -> None:
     with run_env_server(LONG, ServerConfig(call_timeout_s=0.3), mcp=False) as (url, _):
-        async with EnvClient.connect(url, transport=transport, timeout_s=0.4) as env:  # type: ignore[arg-type]
+        # 0.8 s: under the 1 s steps, yet time enough for the reset on a loaded machine
+        async with EnvClient.connect(url, transport=transport, timeout_s=0.8) as env:  # type: ignore[arg-type]
             await env.reset()
             result = await env.step({"command": "sleep:1.0", "timeout_s": 3})
             assert result.observation["echoed_message"] == "slept 1"
@@ -61,7 +62,7 @@ async def test_a_websocket_mcp_tool_call_and_a_batch_declaring_timeouts_are_wait
     from envport.client.transports import WebSocketTransport
 
     with run_env_server(LONG, ServerConfig(call_timeout_s=0.3), mcp=False) as (url, _):
-        transport = WebSocketTransport(url, timeout_s=0.4)
+        transport = WebSocketTransport(url, timeout_s=0.8)  # under the 1 s calls
         try:
             await transport.open()
             await transport.request({"type": "reset", "data": {}})
