@@ -100,16 +100,21 @@ async def test_a_session_made_elsewhere_is_usable_not_closable(served: tuple[str
 
 
 async def test_idle_openenv_sessions_are_reaped_used_ones_kept() -> None:
-    config = ServerConfig(idle_timeout_s=0.6, reap_interval_s=0.05)
+    # Used every 0.3 s (plus a request to a server thread that a loaded machine slows),
+    # for longer than the idle timeout, which must not trip in between: 1 s, not 0.6 s.
+    config = ServerConfig(idle_timeout_s=1.0, reap_interval_s=0.05)
     with run_env_server("echo-v1", config) as (url, app):
         session_id = (await post(url, rpc("openenv/session/create")))["result"]["session_id"]
         call = {"name": "echo", "arguments": {"message": "z"}, "session_id": session_id}
-        for _ in range(3):  # 0.9 s in all, used every 0.3 s
+        for _ in range(4):  # 1.2 s in all, used every 0.3 s
             await asyncio.sleep(0.3)
             assert (await post(url, rpc("tools/call", call)))["result"]["data"] == "z"
         listed = await post(url, rpc("tools/list", {"session_id": session_id}))
         assert "result" in listed
-        await asyncio.sleep(1.2)
+        for _ in range(300):  # then idle: reaped (by the server's thread) within 30 s
+            if app.state.manager.active == 0:
+                break
+            await asyncio.sleep(0.1)
         assert app.state.manager.active == 0
         assert (await post(url, rpc("tools/call", call)))["error"]["code"] == -32602
 
