@@ -78,7 +78,7 @@ class UnseededEnv(CountEnv):
     """Draws its first observation from the OS, ignoring the seed."""
 
     async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
-        self.total = uuid.uuid4().int % 1_000_000
+        self.total = uuid.uuid4().int % (1 << 40)  # two draws alike: 1 in 10**12
         return StepResult(observation=CountObservation(total=self.total))
 
 
