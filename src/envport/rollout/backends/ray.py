@@ -111,7 +111,7 @@ class _EnvServerActor:
 
         from envport.rollout.backends.instance import instance_app
         from envport.server import uvicorn_config
-        from envport.serving import free_port
+        from envport.serving import listening_socket
 
         ray = _ray()
         ctx = ray.get_runtime_context()
@@ -122,9 +122,13 @@ class _EnvServerActor:
         )
         host = bind_host or node_ip
         app, config = instance_app(env_id, sessions, options)
-        port = free_port(host)
+        # Bound here and handed to uvicorn, so no other process takes the port meanwhile.
+        sock = listening_socket(host)
+        port = int(sock.getsockname()[1])
         self._server = uvicorn.Server(uvicorn_config(app, host=host, port=port, config=config))
-        self._thread = threading.Thread(target=self._server.run, name="envport-ray", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, args=([sock],), name="envport-ray", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + startup_timeout_s
         while not self._server.started:
