@@ -300,6 +300,25 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
     assert "RuntimeWarning" not in log
 
 
+async def test_local_backend_instance_refuses_a_foreign_host_at_mcp(tmp_path: Path) -> None:
+    """An instance server bound on loopback checks /mcp's Host header, as `envport serve`
+    does: a web page that rebinds its own name to 127.0.0.1 cannot call its tools."""
+    call = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "tools/call",
+        "params": {"name": "echo", "arguments": {"message": "pwn"}},
+    }
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        instance = await backend.start(EnvLaunch(env_id="echo-v1"))
+        assert instance.url is not None and instance.url.startswith("http://127.0.0.1:")
+        async with httpx.AsyncClient(base_url=instance.url) as http:
+            rebound = await http.post("/mcp", json=call, headers={"Host": "evil.example"})
+            assert rebound.status_code == 421
+            own = await http.post("/mcp", json=call)
+            assert own.json()["result"]["data"] == "pwn"
+
+
 async def test_local_backend_forgets_every_file_of_an_instance_found_dead(
     tmp_path: Path,
 ) -> None:

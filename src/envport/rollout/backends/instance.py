@@ -29,8 +29,14 @@ from typing import Any
 from envport.errors import ENV_ERROR_EXIT, EnvportError, env_error_line
 
 
-def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any, Any]:
+def instance_app(
+    env: str, sessions: int, options: dict[str, Any], *, host: str | None = None
+) -> tuple[Any, Any]:
     """The ASGI app (and its ServerConfig) that one instance process serves.
+
+    ``host`` is the address the server binds (``None`` for a Unix socket): a loopback
+    one turns on the ``/mcp`` endpoint's ``Host`` check, as ``envport serve`` does
+    (:func:`~envport.server.security.mcp_security`).
 
     Raises an :class:`~envport.errors.EnvportError` when the environment cannot be built:
     the registry's own error, or :class:`~envport.errors.EnvFactoryError` naming what
@@ -43,7 +49,7 @@ def instance_app(env: str, sessions: int, options: dict[str, Any]) -> tuple[Any,
     config = ServerConfig(max_sessions=max(2 * sessions, sessions + 4))
     with building_env():
         factory, _ = resolve(env, options)
-        return create_app(factory, config), config
+        return create_app(factory, config, host=host), config
 
 
 def instance_parser(prog: str) -> argparse.ArgumentParser:
@@ -72,8 +78,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from envport.server import uvicorn_config
 
+    # A Unix socket binds no address (and no web page can reach one): no Host check.
+    host = None if args.uds is not None else args.host
     try:
-        app, config = instance_app(args.env, args.sessions, json.loads(args.options))
+        app, config = instance_app(args.env, args.sessions, json.loads(args.options), host=host)
     except EnvportError as exc:
         if args.error_file:
             tmp = Path(args.error_file + ".tmp")

@@ -121,7 +121,7 @@ class _EnvServerActor:
             ray.util.get_node_ip_address(),
         )
         host = bind_host or node_ip
-        app, config = instance_app(env_id, sessions, options)
+        app, config = instance_app(env_id, sessions, options, host=host)
         # Bound here and handed to uvicorn, so no other process takes the port meanwhile.
         sock = listening_socket(host)
         port = int(sock.getsockname()[1])
