@@ -311,7 +311,8 @@ async def test_local_backend_instance_refuses_a_foreign_host_at_mcp(tmp_path: Pa
     }
     async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
         instance = await backend.start(EnvLaunch(env_id="echo-v1"))
-        assert instance.url is not None and instance.url.startswith("http://127.0.0.1:")
+        assert instance.url is not None
+        assert instance.url.startswith("http://127.0.0.1:")
         async with httpx.AsyncClient(base_url=instance.url) as http:
             rebound = await http.post("/mcp", json=call, headers={"Host": "evil.example"})
             assert rebound.status_code == 421
