@@ -69,7 +69,7 @@ def test_sandbox_env_is_registered() -> None:
 
 @needs_isolation
 async def test_reset_restores_the_task_without_a_new_sandbox(repo: Path) -> None:
-    async with SandboxEnv() as env:
+    async with SandboxEnv(workspace_roots=[repo]) as env:
         first = await env.reset(workspace=str(repo), files={"notes.txt": "task notes\n"})
         assert first.observation.isolated
         assert "/workspace" in first.observation.message
@@ -141,7 +141,10 @@ async def test_fork_branches_an_episode_at_step_k(repo: Path) -> None:
 
 
 @needs_isolation
-async def test_a_rubric_runs_the_tests_inside_through_a_real_server(repo: Path) -> None:
+async def test_a_rubric_runs_the_tests_inside_through_a_real_server(
+    repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ENVPORT_WORKSPACE_ROOTS", str(repo))  # the operator grants it
     task = Task(
         id="calc",
         prompt="fix add",
@@ -182,3 +185,38 @@ async def test_without_isolation_reset_says_why(
         result = await env.reset()
         assert not result.observation.isolated
         assert (await run(env, "cat calc.py"))["exit_code"] == 0
+
+
+# --- which host directories a client may name ------------------------------------------
+
+
+async def test_workspace_outside_the_granted_roots_is_refused(tmp_path: Path, repo: Path) -> None:
+    """A client cannot mount a host directory the operator did not grant: not /etc, not
+    one reached through a symlink or ``..`` from a granted root. Nothing is started."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (repo / "escape").symlink_to(secret)
+    env = SandboxEnv(workspace_roots=[repo])
+    for value in ("/etc", str(secret), str(repo / "escape"), f"{repo}/../secret"):
+        with pytest.raises(ActionValidationError, match="workspace_roots") as refused:
+            await env.reset(workspace=value)
+        assert f"refuses workspace {value!r}" in str(refused.value)
+        assert str(repo) in str(refused.value)  # the allowed roots, named
+    assert env.sandbox is None
+    # Nothing granted: only the constructor's own workspace may be named.
+    own = SandboxEnv(workspace=str(repo))
+    with pytest.raises(ActionValidationError, match=r"workspace_roots: " + str(repo)):
+        await own.reset(workspace=str(secret))
+
+
+def test_a_server_refuses_an_ungranted_workspace_as_a_validation_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ENVPORT_WORKSPACE_ROOTS", raising=False)
+    with run_env_server("sandbox-v1") as (url, _app):
+        import httpx
+
+        reply = httpx.post(f"{url}/reset", json={"workspace": "/root"})
+    assert reply.status_code == 422
+    assert reply.json()["error"]["code"] == "VALIDATION_ERROR"
+    assert "refuses workspace '/root'" in reply.text

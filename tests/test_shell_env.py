@@ -372,7 +372,7 @@ async def test_harbor_task_dir_runs_with_harbor_paths(tmp_path: Path) -> None:
     task = read_harbor_task(harbor_task(tmp_path))
     assert task.env_id == "shell-v1"
     assert task.env_options == {"task_dir": ".", "workdir": "/app"}
-    async with ShellEnv() as env:
+    async with ShellEnv(workspace_roots=[tmp_path]) as env:
         await env.reset(**reset_options(task))
         out = await run(env, "pwd; ls; ls /tests; test -x /tests/test.sh || echo not-x")
         assert out["stdout"] == "/app\ndata\ntest.sh\ntest_outputs.py\nnot-x\n"
@@ -387,8 +387,11 @@ async def test_harbor_task_dir_runs_with_harbor_paths(tmp_path: Path) -> None:
 
 
 @needs_bwrap
-async def test_harbor_rubric_scores_through_an_env_client(tmp_path: Path) -> None:
+async def test_harbor_rubric_scores_through_an_env_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The task's own test_command rubric, run through the client's run/read_file tools."""
+    monkeypatch.setenv("ENVPORT_WORKSPACE_ROOTS", str(tmp_path))
     task = read_harbor_task(harbor_task(tmp_path, workdir=None))
     rubric = from_specs(task.rubric)
 
@@ -403,3 +406,27 @@ async def test_harbor_rubric_scores_through_an_env_client(tmp_path: Path) -> Non
 
     assert await score(None) == 0.0
     assert await score("echo 3 > /workspace/out.txt") == 1.0
+
+
+async def test_task_dir_outside_the_granted_roots_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client cannot copy a host directory the operator did not grant into its
+    workspace, directly or through a symlink; nothing is created."""
+    task = harbor_task(tmp_path / "granted")
+    elsewhere = harbor_task(tmp_path / "elsewhere")
+    (tmp_path / "granted" / "link").symlink_to(elsewhere)
+    monkeypatch.delenv("ENVPORT_WORKSPACE_ROOTS", raising=False)
+    async with ShellEnv(allow_unisolated=True) as env:
+        for value in (str(task), "/etc"):  # nothing granted: nothing may be named
+            with pytest.raises(ActionValidationError, match=r"workspace_roots: none"):
+                await env.reset(task_dir=value)
+    async with ShellEnv(allow_unisolated=True, workspace_roots=[tmp_path / "granted"]) as env:
+        for value in (str(elsewhere), str(tmp_path / "granted" / "link")):
+            with pytest.raises(ActionValidationError, match=r"refuses task_dir"):
+                await env.reset(task_dir=value)
+        assert env.workspace is None
+        await env.reset(task_dir=str(task))  # granted
+        monkeypatch.setenv("ENVPORT_WORKSPACE_ROOTS", str(tmp_path / "elsewhere"))
+    async with ShellEnv(allow_unisolated=True) as env:  # the operator's variable
+        await env.reset(task_dir=str(elsewhere))

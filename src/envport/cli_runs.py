@@ -6,7 +6,7 @@ Thin shells over :mod:`envport.evaluate`, :mod:`envport.trace` and :mod:`envport
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -118,8 +118,12 @@ def local_scripted_model() -> Iterator[str]:
 
 
 @contextmanager
-def env_servers(env_ids: set[str]) -> Iterator[dict[str, str]]:
-    """One envport server per environment id, on loopback; yields id -> URL."""
+def env_servers(
+    env_ids: set[str], host_dirs: Mapping[str, frozenset[str]] | None = None
+) -> Iterator[dict[str, str]]:
+    """One envport server per environment id, on loopback; yields id -> URL. An id's
+    ``host_dirs`` (the directories its tasks name) are granted as ``workspace_roots``."""
+    from envport.registry import resolve
     from envport.server import ServerConfig, create_app
     from envport.serving import serve_in_thread
 
@@ -127,8 +131,10 @@ def env_servers(env_ids: set[str]) -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
         for env_id in sorted(env_ids):
             config = ServerConfig()
+            roots = sorted((host_dirs or {}).get(env_id, ()))
             try:
-                app = create_app(env_id, config)
+                factory, _ = resolve(env_id, {"workspace_roots": roots} if roots else None)
+                app = create_app(factory, config, host="127.0.0.1")
             except EnvportError as exc:  # its tasks fail, in-process, as environment errors
                 note = escape(f"not serving {env_id!r}: {exc}")
                 err.print(f"[yellow]note:[/] {note}", soft_wrap=True)
@@ -171,7 +177,9 @@ def eval_command(
     """Run a taskset: tasks x rollouts through the built-in agent, scored and stored."""
     from envport.evaluate import EvalConfig
     from envport.harness import AgentConfig
+    from envport.harness.agent import task_host_dirs
     from envport.report import summary_table
+    from envport.rollout.controller import takes_workspace_roots
 
     invalid: list[Any] = []
     task_list = load_tasks(
@@ -200,7 +208,11 @@ def eval_command(
         env_urls: dict[str, str] = {}
         if serve_envs:
             ids = {t.env_id for t in task_list if t.env_id}
-            env_urls = stack.enter_context(env_servers(ids))
+            dirs: dict[str, frozenset[str]] = {}
+            for t in task_list:
+                if t.env_id and (named := task_host_dirs(t)) and takes_workspace_roots(t.env_id):
+                    dirs[t.env_id] = dirs.get(t.env_id, frozenset()) | named
+            env_urls = stack.enter_context(env_servers(ids, dirs))
         config = EvalConfig(
             rollouts=rollouts,
             concurrency=concurrency,

@@ -11,7 +11,15 @@ overlay), ``files`` (workspace path -> text, or ``{"content", "executable"}``, w
 over it; they are part of the task's initial state), ``max_steps``. Any other option is
 an error that lists these. Construction takes the sandbox's limits and defaults
 (``memory_mb``, ``pids``, ``cpus``, ``disk_mb``, ``network``, ``timeout_s``,
-``allow_unisolated``, ``workdir``, ``workspace``).
+``allow_unisolated``, ``workdir``, ``workspace``) and ``workspace_roots``.
+
+**Which host directories a client may mount.** Reset options come from whoever reaches
+the server; the host directories they may name are the operator's choice. The
+``workspace`` option must lie (symlinks and ``..`` resolved) in the constructor's own
+``workspace`` or in one of ``workspace_roots`` (default: the directories in
+``$ENVPORT_WORKSPACE_ROOTS``, ``os.pathsep``-separated, else none); anything else is an
+:class:`~envport.errors.ActionValidationError` naming the option and the allowed roots.
+The rollout controller grants its tasks' directories to the instances it starts.
 
 Tools: ``run`` (a command in the persistent shell: exit code, stdout, stderr, timed out;
 ``cd`` and variables persist between calls; named as ``shell-v1``'s, so a rubric's
@@ -28,14 +36,16 @@ already reset, with this episode's step count, to branch a trajectory at step k.
 from __future__ import annotations
 
 import json
+import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
 
 from envport.env import Env
-from envport.envs.shell import FileEncoding, check_files, file_bytes
+from envport.envs.shell import FileEncoding, allowed_roots, check_files, check_host_dir, file_bytes
 from envport.errors import ActionValidationError, EnvExecutionError, EnvNotResetError, ToolError
 from envport.sandbox import (
     Sandbox,
@@ -111,11 +121,15 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         network: bool = False,
         timeout_s: float = 30.0,
         allow_unisolated: bool = False,
+        workspace_roots: Iterable[str | os.PathLike[str]] | None = None,
     ) -> None:
         super().__init__()
         if max_steps is not None and max_steps < 1:
             raise ValueError("max_steps must be at least 1.")
         self.default_workspace = workspace
+        roots = allowed_roots(workspace_roots)
+        own = () if workspace is None else (Path(os.path.realpath(workspace)),)
+        self.workspace_roots = (*own, *roots)
         self.default_max_steps = max_steps
         self.max_steps = max_steps
         self.base_config = SandboxConfig(
@@ -145,7 +159,11 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         max_steps = options.get("max_steps", self.default_max_steps)
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ActionValidationError(f"max_steps must be a positive integer, got {max_steps!r}.")
-        workspace = options.get("workspace", self.default_workspace)
+        workspace: str | Path | None = self.default_workspace
+        if "workspace" in options:
+            workspace = check_host_dir(
+                "sandbox-v1", "workspace", options["workspace"], self.workspace_roots
+            )
         files = check_files(options.get("files"))
         key = json.dumps([str(workspace), files], sort_keys=True)
         if self.sandbox is not None and key == self._task_key:
@@ -241,6 +259,7 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
         for child in children:
             env = SandboxEnv(self.default_workspace, max_steps=self.default_max_steps)
             env.base_config = self.base_config
+            env.workspace_roots = self.workspace_roots
             env.sandbox = child
             env._task_key = self._task_key
             env._task_start = self._task_start

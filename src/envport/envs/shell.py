@@ -15,6 +15,14 @@ files is copied into the workspace, ``tests/`` becomes /tests), ``files`` (works
 ``workdir`` (the workspace's path inside, default ``/workspace``), ``max_steps`` and
 ``allow_unisolated``. Any other option is an error that lists these.
 
+``task_dir`` is a host directory a client names, so it must lie (symlinks and ``..``
+resolved) in one of the constructor's ``workspace_roots``, the directories the server's
+operator grants (default: those in ``$ENVPORT_WORKSPACE_ROOTS``, ``os.pathsep``-separated,
+else none); anything else is an :class:`~envport.errors.ActionValidationError` naming the
+option and the allowed roots. The rollout controller grants the task directories of the
+tasks it runs to the instances it starts (:attr:`EnvLaunch.workspace_roots
+<envport.rollout.backends.base.EnvLaunch.workspace_roots>`).
+
 Tools: ``run`` (``bash -c`` in the workdir), ``read_file``, ``write_file``, ``list_dir``
 and ``submit`` (ends the episode). A plain action ``{"command": ...}`` runs a command
 too. The episode ends only by ``submit`` or, as a truncation, after ``max_steps`` steps;
@@ -59,6 +67,7 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -104,6 +113,9 @@ _DOCKER_FILES = frozenset(
     {"Dockerfile", "docker-compose.yaml", "docker-compose.yml", ".dockerignore"}
 )
 _OPTIONS = ("task_dir", "files", "workdir", "max_steps", "allow_unisolated")
+#: Host directories (``os.pathsep``-separated) that clients may name in a reset, for an
+#: environment constructed without ``workspace_roots``.
+WORKSPACE_ROOTS_ENV = "ENVPORT_WORKSPACE_ROOTS"
 _SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _INSTALL_HINT = (
     "Install it (Debian/Ubuntu: `apt-get install bubblewrap`), or pass allow_unisolated=True "
@@ -388,6 +400,7 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
         max_steps: int | None = None,
         allow_unisolated: bool | None = None,
         max_output_bytes: int = MAX_OUTPUT_BYTES,
+        workspace_roots: Iterable[str | os.PathLike[str]] | None = None,
     ) -> None:
         super().__init__()
         if max_steps is not None and max_steps < 1:
@@ -397,6 +410,7 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
         self.default_max_steps = max_steps
         self.default_allow_unisolated = allow_unisolated
         self.max_output_bytes = max_output_bytes
+        self.workspace_roots = allowed_roots(workspace_roots)
         self.max_steps: int | None = max_steps
         self.workspace: Workspace | None = None
         self.bwrap: str | None = None
@@ -424,7 +438,9 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
         max_steps = options.get("max_steps", self.default_max_steps)
         if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
             raise ActionValidationError(f"max_steps must be a positive integer, got {max_steps!r}.")
-        task_dir = _check_task_dir(options.get("task_dir"))
+        task_dir = check_host_dir(
+            "shell-v1", "task_dir", options.get("task_dir"), self.workspace_roots
+        )
         files = check_files(options.get("files"))
         self._choose_isolation(options.get("allow_unisolated"))
 
@@ -656,14 +672,36 @@ def _check_workdir(value: Any) -> str:
     return norm
 
 
-def _check_task_dir(value: Any) -> Path | None:
+def allowed_roots(given: Iterable[str | os.PathLike[str]] | None) -> tuple[Path, ...]:
+    """The host directories clients may name in a reset, symlinks resolved: ``given``
+    (the constructor's ``workspace_roots``), else those in ``$ENVPORT_WORKSPACE_ROOTS``
+    (separated by ``os.pathsep``), else none."""
+    if given is None:
+        given = [p for p in os.environ.get(WORKSPACE_ROOTS_ENV, "").split(os.pathsep) if p]
+    return tuple(Path(os.path.realpath(p)) for p in given)
+
+
+def check_host_dir(env_id: str, option: str, value: Any, roots: Sequence[Path]) -> Path | None:
+    """Reset option ``option``, a host directory, resolved (symlinks and ``..``); refused
+    (:class:`ActionValidationError`) unless it lies in one of ``roots``.
+
+    **Decision.** Whoever reaches the server sends reset options; only its operator says
+    which host directories they may name (``workspace_roots``). Containment is checked
+    before existence, so a refusal says nothing about what the host holds."""
     if value is None:
         return None
     if not isinstance(value, str | os.PathLike):
-        raise ActionValidationError(f"task_dir must be a path, got {value!r}.")
-    path = Path(value).resolve()
+        raise ActionValidationError(f"{option} must be a path, got {value!r}.")
+    path = Path(os.path.realpath(value))
+    if not any(path.is_relative_to(root) for root in roots):
+        allowed = ", ".join(str(r) for r in roots) or "none"
+        raise ActionValidationError(
+            f"{env_id} refuses {option} {str(value)!r}: it is not in a directory this "
+            f"environment lets clients name (workspace_roots: {allowed}). The server's "
+            f"operator grants more with workspace_roots=[...] or ${WORKSPACE_ROOTS_ENV}."
+        )
     if not path.is_dir():
-        raise ActionValidationError(f"task_dir {str(value)!r} is not a directory.")
+        raise ActionValidationError(f"{option} {str(value)!r} is not a directory.")
     return path
 
 

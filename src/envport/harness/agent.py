@@ -19,6 +19,7 @@ answered in text where only tools can act).
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -53,12 +54,26 @@ def tool_result_text(result: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
+#: Reset options that name a directory on the environment's host (``shell-v1``'s
+#: ``task_dir``, ``sandbox-v1``'s ``workspace``); the environment refuses them unless
+#: its operator granted the directory (``workspace_roots``).
+HOST_DIR_OPTIONS = ("task_dir", "workspace")
+
+
 def reset_options(task: Task) -> dict[str, Any]:
     """The task's env options, with a relative ``task_dir`` resolved against its root."""
     options = dict(task.env_options)
     if isinstance(options.get("task_dir"), str):
         options["task_dir"] = str(task.resolve(options["task_dir"]))
     return options
+
+
+def task_host_dirs(task: Task) -> frozenset[str]:
+    """The host directories ``task``'s reset options name (:data:`HOST_DIR_OPTIONS`),
+    resolved: what a runner grants the environment that runs it (``workspace_roots``)."""
+    options = reset_options(task)
+    named = (options.get(name) for name in HOST_DIR_OPTIONS)
+    return frozenset(os.path.realpath(p) for p in named if isinstance(p, str | os.PathLike))
 
 
 def text_action_field(action_schema: dict[str, Any]) -> str | None:

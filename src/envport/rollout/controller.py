@@ -46,6 +46,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
+import hashlib
+import inspect
 import logging
 import math
 import os
@@ -63,6 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envport.client import EnvClient
 from envport.deadlines import GRACE_S, frame_timeout, stage_deadline
 from envport.errors import ConnectionLostError, EnvportError, EnvTimeoutError, NoReplyError
+from envport.harness.agent import task_host_dirs
 from envport.harness.model import ModelProviderError
 from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
@@ -464,6 +468,9 @@ class Controller:
         self._gate = asyncio.Semaphore(self.config.concurrency)
         self._env_gates: dict[str, asyncio.Semaphore] = {}
         self._pools: dict[str, EnvPool] = {}
+        # env id -> host directories its tasks name (task_dir, workspace), granted to its
+        # instances as workspace_roots: the environment refuses any other.
+        self._host_dirs: dict[str, frozenset[str]] = {}
         self._tasks: dict[str, asyncio.Task[RolloutResult]] = {}
         self._specs: dict[str, RolloutSpec] = {}  # the spec each rollout id was first given
         self._services: list[asyncio.Task[None]] = []
@@ -597,11 +604,21 @@ class Controller:
         """The pool for instances of ``env_id`` with ``task``'s limits and ``env_start``
         deadline (one pool per shape and deadline)."""
         start_s = task.resources.timeouts.env_start if task is not None else None
-        return self._pool_with(env_id, self._limits(env_id, task), start_s)
+        roots = self._host_dirs.get(env_id, frozenset())
+        if task is None or not task_host_dirs(task) or not takes_workspace_roots(env_id):
+            roots = frozenset()
+        return self._pool_with(env_id, self._limits(env_id, task), start_s, roots)
 
-    def _pool_with(self, env_id: str, limits: Limits, start_s: float | None = None) -> EnvPool:
+    def _pool_with(
+        self,
+        env_id: str,
+        limits: Limits,
+        start_s: float | None = None,
+        roots: frozenset[str] = frozenset(),
+    ) -> EnvPool:
         """The pool for instances of ``env_id`` started with ``limits``, each start given
-        ``start_s`` (default: the config's ``env_start_timeout_s``)."""
+        ``start_s`` (default: the config's ``env_start_timeout_s``), granted ``roots``
+        (host directories the tasks name)."""
         cfg = self.config
         start_s = start_s or cfg.env_start_timeout_s
         key = (
@@ -611,6 +628,9 @@ class Controller:
         )
         if start_s != cfg.env_start_timeout_s:
             key += f"@start={start_s:g}s"
+        if roots:
+            digest = hashlib.sha256("\n".join(sorted(roots)).encode()).hexdigest()[:12]
+            key += f"+roots={digest}"
         pool = self._pools.get(key)
         if pool is None:
             limit = cfg.env_concurrency.get(env_id, cfg.concurrency)
@@ -621,6 +641,7 @@ class Controller:
                 limits=limits,
                 labels={RUN_LABEL: self.run_id, LIMITS_LABEL: limits_label(limits)},
                 start_timeout_s=start_s,
+                workspace_roots=tuple(sorted(roots)),
             )
             pool = EnvPool(
                 self.backend,
@@ -660,6 +681,10 @@ class Controller:
                     "would be one of them only; give each task its own id"
                 )
         self._specs.update(given)
+        for spec in given.values():  # granted before any pool of this batch starts
+            env_id, dirs = spec.task.env_id, task_host_dirs(spec.task)
+            if env_id is not None and dirs:
+                self._host_dirs[env_id] = self._host_dirs.get(env_id, frozenset()) | dirs
         out: list[asyncio.Task[RolloutResult]] = []
         for rid, spec in batch:
             task = self._tasks.get(rid)
@@ -1209,3 +1234,15 @@ class Controller:
                 lost.__cause__ = error
                 error = lost
             raise _StageFailed(stage, error) from error
+
+
+@functools.cache
+def takes_workspace_roots(env_id: str) -> bool:
+    """Whether ``env_id``'s constructor takes ``workspace_roots`` (``sandbox-v1``,
+    ``shell-v1``); ``False`` for one that cannot be loaded here."""
+    from envport.registry import spec
+
+    try:
+        return "workspace_roots" in inspect.signature(spec(env_id).load()).parameters
+    except Exception:  # not importable here (a remote image's env), or no signature
+        return False

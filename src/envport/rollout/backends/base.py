@@ -55,6 +55,20 @@ class EnvLaunch(BaseModel):
     )
     start_timeout_s: float = Field(60.0, gt=0)
     network: bool = Field(False, description="Sandboxed backends: allow network access.")
+    workspace_roots: tuple[str, ...] = Field(
+        (),
+        description="Host directories the tasks name in reset options (a Harbor task's "
+        "task_dir): given to an environment that takes workspace_roots (sandbox-v1, "
+        "shell-v1), which refuses any other.",
+    )
+
+    def env_kwargs(self) -> dict[str, Any]:
+        """The environment's keyword arguments: ``options``, and ``workspace_roots`` when
+        there are any (added to those the options grant)."""
+        if not self.workspace_roots:
+            return dict(self.options)
+        roots = [*self.options.get("workspace_roots", ()), *self.workspace_roots]
+        return {**self.options, "workspace_roots": roots}
 
 
 class EnvInstance(BaseModel):

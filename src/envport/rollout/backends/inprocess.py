@@ -7,7 +7,8 @@ or stop. ``urls`` maps environment ids that are already served elsewhere (``envp
 --serve-envs``, a server you started) to their base URL; instances of those ids point
 there and are never stopped by this backend. Such a server was built with its own
 arguments, so a launch that asks for options there is refused rather than silently
-run without them.
+run without them; its ``workspace_roots`` are that server's operator's to grant too
+(``envport eval --serve-envs`` grants its tasks' directories to the servers it starts).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class InProcessBackend(Backend):
             url=url,
             labels=dict(launch.labels),
             start_latency_s=0.0,
-            options=dict(launch.options),
+            options=launch.env_kwargs(),
         )
         self._live[instance.instance_id] = instance
         return instance

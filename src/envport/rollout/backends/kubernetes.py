@@ -228,9 +228,9 @@ class KubernetesBackend(Backend):
             target["activeDeadlineSeconds"] = self.active_deadline_s
         if obj["kind"] == "Job" and self.ttl_after_finished_s is not None:
             obj["spec"]["ttlSecondsAfterFinished"] = self.ttl_after_finished_s
-        if launch.options:  # the env container's server builds the env with them
+        if kwargs := launch.env_kwargs():  # the env container's server builds the env
             _env_container(pod_spec).setdefault("args", []).extend(
-                ["--env-options", json.dumps(launch.options, sort_keys=True)]
+                ["--env-options", json.dumps(kwargs, sort_keys=True)]
             )
         resources = _resources(launch.limits)
         if resources:

@@ -188,7 +188,7 @@ class LocalProcessBackend(Backend):
             "--sessions",
             str(launch.sessions),
             "--options",
-            json.dumps(launch.options),
+            json.dumps(launch.env_kwargs()),
             "--instance-id",
             instance_id,
         ]

@@ -261,7 +261,7 @@ class RayBackend(Backend):
         self._handles[name] = handle
         ref = handle.serve.remote(
             launch.env_id,
-            dict(launch.options),
+            launch.env_kwargs(),
             launch.sessions,
             self.bind_host,
             launch.start_timeout_s,

@@ -122,7 +122,7 @@ class SandboxBackend(Backend):
             argv = [sys.executable, "-m", INSTANCE_MODULE, launch.env_id]
             argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--error-file", f"/tmp/{ERROR_NAME}"]
             argv += ["--sessions", str(launch.sessions)]
-            argv += ["--options", json.dumps(launch.options), "--instance-id", instance_id]
+            argv += ["--options", json.dumps(launch.env_kwargs()), "--instance-id", instance_id]
             command = shlex.join(argv)
             if (source := source_path()) is not None:
                 command = f"PYTHONPATH={shlex.quote(source)}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
