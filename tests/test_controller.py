@@ -851,3 +851,43 @@ def test_rollout_ids_with_slashes_in_tasks_and_groups_never_meet() -> None:
         rollout_id("r", Task(id="12", prompt="p"), 0),
     }
     assert len(ids) == 5
+
+
+def _harbor_task(root: Path, name: str) -> Task:
+    from envport.tasks import read_harbor_task
+
+    (root / name / "tests").mkdir(parents=True)
+    (root / name / "environment").mkdir()
+    (root / name / "environment" / "given.txt").write_text(f"{name}\n")
+    (root / name / "instruction.md").write_text("look\n")
+    (root / name / "task.toml").write_text('version = "1.0"\n')
+    (root / name / "tests" / "test.sh").write_text("#!/bin/bash\n")
+    return read_harbor_task(root / name)
+
+
+class ResetHarness:
+    """Resets with the task's own options (its task_dir), then reads what it was given."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        from envport.harness.agent import reset_options
+
+        await env.reset(**reset_options(task))
+        result = await env.step({"command": "cat given.txt"})
+        trace.steps.append(StepRecord(index=0, action={}, observation=result.observation))
+
+
+async def test_harbor_tasks_of_one_dataset_share_one_granted_pool_across_batches(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    """shell-v1 refuses a task_dir outside the folders its instances were granted; the
+    controller grants the folder holding its tasks' directories, so batch after batch of
+    one dataset run in one warm pool (not a new pool per batch's new directories)."""
+    dataset = tmp_path / "dataset"
+    first, second = _harbor_task(dataset, "a"), _harbor_task(dataset, "b")
+    config = ControllerConfig(concurrency=1, **{**FAST, "hang_timeout_s": 30})
+    async with Controller(store, InProcessBackend(), ResetHarness(), config, run_id="h") as ctl:
+        for one in (first, second):
+            (result,) = await ctl.collect([RolloutSpec(one, 0)])
+            assert result.succeeded, result.trace.errors
+            assert one.id.rsplit("/", 1)[-1] in str(result.trace.steps[0].observation)
+        assert len([key for key in ctl._pools if key.startswith("shell-v1")]) == 1

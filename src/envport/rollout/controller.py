@@ -468,8 +468,8 @@ class Controller:
         self._gate = asyncio.Semaphore(self.config.concurrency)
         self._env_gates: dict[str, asyncio.Semaphore] = {}
         self._pools: dict[str, EnvPool] = {}
-        # env id -> host directories its tasks name (task_dir, workspace), granted to its
-        # instances as workspace_roots: the environment refuses any other.
+        # env id -> the folders holding the host directories its tasks name (task_dir,
+        # workspace), granted to its instances as workspace_roots: the env refuses others.
         self._host_dirs: dict[str, frozenset[str]] = {}
         self._tasks: dict[str, asyncio.Task[RolloutResult]] = {}
         self._specs: dict[str, RolloutSpec] = {}  # the spec each rollout id was first given
@@ -681,8 +681,12 @@ class Controller:
                     "would be one of them only; give each task its own id"
                 )
         self._specs.update(given)
-        for spec in given.values():  # granted before any pool of this batch starts
-            env_id, dirs = spec.task.env_id, task_host_dirs(spec.task)
+        # Granted before any pool of this batch starts. The folders that hold the tasks'
+        # directories (a dataset's), not each directory: the grant, and so the pool key,
+        # stays the same from batch to batch of one taskset, and the warm pool with it.
+        for spec in given.values():
+            env_id = spec.task.env_id
+            dirs = frozenset(os.path.dirname(d) for d in task_host_dirs(spec.task))
             if env_id is not None and dirs:
                 self._host_dirs[env_id] = self._host_dirs.get(env_id, frozenset()) | dirs
         out: list[asyncio.Task[RolloutResult]] = []
