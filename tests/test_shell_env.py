@@ -100,6 +100,10 @@ async def test_without_bwrap_reset_names_the_tool_and_the_fix(
     async with ShellEnv() as env:
         with pytest.raises(EnvExecutionError, match=r"bwrap.*apt-get install bubblewrap"):
             await env.reset()
+        # A client cannot choose to run its commands outside the sandbox.
+        with pytest.raises(ActionValidationError, match="not a reset option"):
+            await env.reset(allow_unisolated=True)
+        assert env.workspace is None
 
 
 async def test_unisolated_fallback_is_opt_in_and_says_so(

@@ -12,8 +12,10 @@ Each ``reset`` builds a fresh directory tree the environment owns (removed by
 Reset options: ``task_dir`` (a Harbor task directory: ``environment/`` minus its Docker
 files is copied into the workspace, ``tests/`` becomes /tests), ``files`` (workspace path
 -> text, or ``{"content", "executable"}``, for JSONL tasks; written after ``task_dir``),
-``workdir`` (the workspace's path inside, default ``/workspace``), ``max_steps`` and
-``allow_unisolated``. Any other option is an error that lists these.
+``workdir`` (the workspace's path inside, default ``/workspace``) and ``max_steps``. Any
+other option is an error that lists these. ``allow_unisolated`` is not one: running a
+client's commands outside any sandbox is the operator's choice (the constructor's
+argument, or ``ENVPORT_ALLOW_UNISOLATED``), never a client's.
 
 ``task_dir`` is a host directory a client names, so it must lie (symlinks and ``..``
 resolved) in one of the constructor's ``workspace_roots``, the directories the server's
@@ -112,7 +114,7 @@ _SYSTEM_PATHS = (
 _DOCKER_FILES = frozenset(
     {"Dockerfile", "docker-compose.yaml", "docker-compose.yml", ".dockerignore"}
 )
-_OPTIONS = ("task_dir", "files", "workdir", "max_steps", "allow_unisolated")
+_OPTIONS = ("task_dir", "files", "workdir", "max_steps")
 #: Host directories (``os.pathsep``-separated) that clients may name in a reset, for an
 #: environment constructed without ``workspace_roots``.
 WORKSPACE_ROOTS_ENV = "ENVPORT_WORKSPACE_ROOTS"
@@ -428,6 +430,12 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
     # --- lifecycle ---------------------------------------------------------------------
 
     def on_reset(self, seed: int | None, **options: Any) -> StepResult[ShellObservation]:
+        if "allow_unisolated" in options:
+            raise ActionValidationError(
+                "allow_unisolated is not a reset option: whether commands may run outside a "
+                "sandbox is decided where the server starts (ShellEnv(allow_unisolated=True) "
+                "or ENVPORT_ALLOW_UNISOLATED=1), not by a client."
+            )
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise ActionValidationError(
@@ -442,7 +450,7 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
             "shell-v1", "task_dir", options.get("task_dir"), self.workspace_roots
         )
         files = check_files(options.get("files"))
-        self._choose_isolation(options.get("allow_unisolated"))
+        self._choose_isolation()
 
         self._remove_workspace()
         ws = Workspace(Path(tempfile.mkdtemp(prefix="envport-shell-")), workdir)
@@ -592,9 +600,8 @@ class ShellEnv(Env[ShellAction, ShellObservation]):
 
     # --- internals ---------------------------------------------------------------------
 
-    def _choose_isolation(self, allow: Any) -> None:
-        if allow is None:
-            allow = self.default_allow_unisolated
+    def _choose_isolation(self) -> None:
+        allow = self.default_allow_unisolated
         if allow is None:
             allow = os.environ.get("ENVPORT_ALLOW_UNISOLATED", "") in ("1", "true", "yes")
         if not isinstance(allow, bool):
