@@ -428,6 +428,68 @@ async def test_local_backend_aclose_reaps_a_server_whose_stop_was_cancelled(
         _kill_leftover(pid)
 
 
+async def test_local_backend_stop_cancelled_while_it_waits_kills_the_group(
+    tmp_path: Path,
+) -> None:
+    """A stop cancelled between SIGTERM and the server's exit (a second Ctrl-C, a loop
+    torn down) SIGKILLs the server's group before it gives up: nothing is left for an
+    aclose that may never run."""
+    backend = LocalProcessBackend(tmp_path / "instances", cwd=ROOT, stop_grace_s=30.0)
+    instance = await backend.start(EnvLaunch(env_id="echo-v1"))
+    pid = int(instance.meta["pid"])
+    try:
+        _stop_process(pid)
+        stop = asyncio.create_task(backend.stop(instance))
+        await wait_for(lambda: _term_pending(pid))
+        stop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stop
+        await wait_for(lambda: not alive(pid))
+        assert backend.outstanding() == 1  # not reaped yet: aclose (or atexit) does it
+        await backend.aclose()
+        assert backend.outstanding() == 0
+    finally:
+        _kill_leftover(pid)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+async def test_local_backend_stop_and_kill_now_take_the_whole_process_group(
+    tmp_path: Path,
+) -> None:
+    """A server's own children go with it, one that ignores SIGTERM too: after the server
+    exited gracefully (stop), or at once (kill_now: synchronous, forgets the records)."""
+    state, marks = tmp_path / "instances", tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT), "STUBBORN_DIR": str(marks)}
+    backend = LocalProcessBackend(state, cwd=ROOT, env=env, stop_grace_s=30.0)
+    launch = EnvLaunch(env_id="tests.support.faulty_envs:StubbornEnv", options={"close_s": 0})
+    try:
+        servers = [await backend.start(launch) for _ in range(2)]  # each with a helper
+        helpers = {_pgid(pid): pid for pid in (int(p.name[6:]) for p in marks.glob("child-*"))}
+        first, second = (helpers[int(s.meta["pid"])] for s in servers)
+        await backend.stop(servers[0])
+        await wait_for(lambda: not alive(first))
+        assert (marks / "sigterm").read_text().count("SIGTERM") == 1  # it outlived that
+        assert alive(second)
+        assert backend.outstanding() == 1
+        assert backend.kill_now() == 1
+        assert backend.outstanding() == 0
+        assert list(state.iterdir()) == []
+        await wait_for(lambda: not alive(second) and not alive(int(servers[1].meta["pid"])))
+        await backend.aclose()
+    finally:
+        _kill_servers_in(state)
+        for child in marks.glob("child-*"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(child.name[6:]), signal.SIGKILL)
+
+
 async def test_pool_exit_mid_stop_leaves_no_local_server(tmp_path: Path) -> None:
     """The pool's owner exits while a retired local server is being stopped: the
     cancelled stop is done again by aclose, and no server process is left."""
@@ -450,7 +512,7 @@ async def test_pool_exit_mid_stop_leaves_no_local_server(tmp_path: Path) -> None
 #: A controller that starts one local instance of an environment that takes argv[3]
 #: seconds to build: the tests SIGKILL it while it waits for the server.
 _STARTER = """
-import asyncio, sys
+import asyncio, sys, time
 from envport.rollout import EnvLaunch, LocalProcessBackend
 launch = EnvLaunch(
     env_id="tests.support.faulty_envs:SlowToBuildEnv",
@@ -458,6 +520,7 @@ launch = EnvLaunch(
     labels={"envport-run": "r"},
 )
 asyncio.run(LocalProcessBackend(sys.argv[1], cwd=sys.argv[2]).start(launch))
+time.sleep(600)  # killed, never exits (an exit would stop its servers: atexit)
 """
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,10 @@ import pytest
 from envport.trace import SQLiteTraceStore, TraceStatus
 from envport.train.rows import build_rows
 from tests.support.cli import CLI_ENV, ENVPORT, completed, envport_cli, kill_midway, run_args
+from tests.support.processes import alive
 
 FAULTY = "tests.support.faulty_envs:FaultyEnv"
+STUBBORN = "tests.support.faulty_envs:StubbornEnv"
 RUN_A = ["--run-id", "a", "--json"]
 
 
@@ -134,6 +139,113 @@ def test_ctrl_c_stops_every_server_and_says_how_to_resume(tmp_path: Path) -> Non
     with SQLiteTraceStore(db) as store:
         assert store.count(run_id="kr", status="completed") == 0
         assert {r.state for r in store.rollouts(run_id="kr")} <= {"pending"}
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return members
+
+
+def _wait_for(what: str, ready: Callable[[], bool], proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        assert proc.poll() is None, f"the controller exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@contextmanager
+def _stubborn_run(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path, int]]:
+    """``envport run`` of one StubbornEnv rollout on the local backend, its step sleeping;
+    yields (controller, its stderr file, the env's marks dir, the server's process group).
+    Whatever the test did, every process of that group is SIGKILLed at the end."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t0", "prompt": "sleep:60", "env_id": STUBBORN}) + "\n")
+    db = tmp_path / "runs" / "t.db"
+    state_dir = tmp_path / "runs" / "instances"
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [ENVPORT, *_args(tasks, db)],
+            cwd=tmp_path,
+            env={**CLI_ENV, "STUBBORN_DIR": str(marks)},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    pgids: set[int] = set()
+    try:
+        _wait_for("a server", lambda: bool(list(state_dir.glob("*.json"))), proc)
+        records = list(state_dir.glob("*.json"))
+        assert len(records) == 1
+        pgids.add(pgid := json.loads(records[0].read_text())["meta"]["pid"])
+        # Its session's environment (with its helper) was built; the step is under way.
+        _wait_for("a session", lambda: len(list(marks.glob("child-*"))) >= 2, proc)
+        time.sleep(0.5)
+        yield proc, stderr, marks, pgid
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in [p for g in pgids for p in _group(g)]:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _second_ctrl_c_as_cleanup_stops_the_server(proc: subprocess.Popen[bytes], marks: Path) -> None:
+    proc.send_signal(signal.SIGINT)
+    # Cleanup has reached the server: its group got SIGTERM, and it is still stopping.
+    _wait_for("the server's stop", (marks / "sigterm").exists, proc)
+    proc.send_signal(signal.SIGINT)
+
+
+def _assert_nothing_left(tmp_path: Path, marks: Path, pgid: int) -> None:
+    """Once the controller has exited, nothing it started runs: not the server (which
+    was still closing its environment), nor the helper that ignored SIGTERM."""
+    assert _group(pgid) == [], "environment processes outlived the controller"
+    children = [int(p.name.removeprefix("child-")) for p in marks.glob("child-*")]
+    assert children
+    assert not any(alive(pid) for pid in children)
+    assert list((tmp_path / "runs" / "instances").iterdir()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_does_not_cut_the_stop_of_environments_short(tmp_path: Path) -> None:
+    with _stubborn_run(tmp_path) as (proc, stderr, marks, pgid):
+        _second_ctrl_c_as_cleanup_stops_the_server(proc, marks)
+        assert proc.wait(timeout=60) == 130
+        _assert_nothing_left(tmp_path, marks, pgid)
+        text = stderr.read_text()
+        assert "still stopping 1 environment; press Ctrl-C again to force" in text
+        assert "--run-id kr --resume" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_third_ctrl_c_forces_the_exit_and_kills_every_environment(tmp_path: Path) -> None:
+    with _stubborn_run(tmp_path) as (proc, stderr, marks, pgid):
+        _second_ctrl_c_as_cleanup_stops_the_server(proc, marks)
+
+        def answered() -> bool:  # (asyncio's own handling instead stops the server again)
+            terms = (marks / "sigterm").read_text().count("SIGTERM")
+            return b"again" in stderr.read_bytes() or terms > 2
+
+        _wait_for("the second Ctrl-C's answer", answered, proc)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        _assert_nothing_left(tmp_path, marks, pgid)
+        text = stderr.read_text()
+        assert "forced: killed 1 environment process group(s)" in text
+        assert "--run-id kr --resume" in text
 
 
 def test_the_live_display_counts_rollouts_by_state_and_env_start_latency() -> None:

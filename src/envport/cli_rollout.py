@@ -14,6 +14,12 @@ do not nest there, and the outer sandbox is the isolation), Ray actors or Kubern
 Jobs. A backend that cannot run (no isolation, no Ray cluster, no kubeconfig) is one
 clear error before any rollout starts, saying what to do. Sandboxes die with a killed
 controller; what they leave (mounts, cgroups) is removed by the next ``run``.
+
+Ctrl-C is taken as mature tools take it (:func:`run_until_interrupted`): the first
+cancels the rollouts and stops every environment; a second while that cleanup runs does
+not cut it short, it says how many environments are still stopping; a third forces the
+exit, killing every environment process group the run started on the way out. No press
+leaves an environment server running.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import signal
 import statistics
+import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Group
@@ -57,6 +65,8 @@ from envport.errors import EnvportError
 
 if TYPE_CHECKING:
     from envport.rollout import Backend, ControllerSummary, RolloutEvent, RolloutSpec
+
+_T = TypeVar("_T")
 
 
 class BackendName(enum.StrEnum):
@@ -205,6 +215,15 @@ def run_command(
         k8s_image=k8s_image,
         kubeconfig=kubeconfig,
     )
+    made: list[Backend] = []  # the backend, once made: what a forced exit kills
+
+    def make_backend() -> Backend:
+        made.append(backend_factory())
+        return made[-1]
+
+    resume_hint = (
+        f"finish it with [bold]envport run {taskset} --run-id {run_id} --resume --store {store}[/]"
+    )
     with ExitStack() as stack:
         if model is None:
             model = stack.enter_context(local_scripted_model())
@@ -214,11 +233,11 @@ def run_command(
                     "(rule-based, not a model).[/]"
                 )
         try:
-            summary, mean_reward = asyncio.run(
+            summary, mean_reward = run_until_interrupted(
                 _drive(
                     specs,
                     store=store,
-                    backend_factory=backend_factory,
+                    backend_factory=make_backend,
                     model_url=model,
                     model_name=model_name,
                     api_key=api_key,
@@ -228,13 +247,12 @@ def run_command(
                     resume=resume,
                     taskset=taskset,
                     quiet=as_json,
-                )
+                ),
+                made,
+                forced=lambda: err.print(f"[yellow]forced exit:[/] {resume_hint}"),
             )
         except KeyboardInterrupt:
-            err.print(
-                f"[yellow]interrupted:[/] finish it with [bold]envport run {taskset} "
-                f"--run-id {run_id} --resume --store {store}[/]"
-            )
+            err.print(f"[yellow]interrupted:[/] {resume_hint}")
             raise typer.Exit(130) from None
         except BackendError as exc:
             _fail(f"--backend {backend.value}: {exc}{_HINTS.get(backend, '')}")
@@ -248,6 +266,81 @@ def run_command(
     out.print()
     out.print(summary_table(summary, mean_reward))
     out.print(f"Traces: [bold]envport traces list --run {run_id} --store {store}[/]")
+
+
+class _Interrupted(Exception):
+    """The work was cancelled by Ctrl-C, and has finished stopping."""
+
+
+def run_until_interrupted(
+    work: Coroutine[Any, Any, _T],
+    backends: Sequence[Backend],
+    *,
+    forced: Callable[[], None] = lambda: None,
+) -> _T:
+    """``asyncio.run(work)``, with Ctrl-C taken in three steps.
+
+    1. The first press cancels ``work``, which stops what it started (rollouts are
+       abandoned and requeued, environments stopped); :class:`KeyboardInterrupt` is
+       raised once it has finished stopping.
+    2. A press while that cleanup runs does not cut it short (asyncio's own handler
+       would: a second press tears the loop down mid-stop, and a server whose stop was
+       waiting for it to exit is left running). It says how many environments of
+       ``backends`` are still stopping, and that a third press forces the exit.
+    3. The third press kills every environment ``backends`` have not stopped yet
+       (:meth:`~envport.rollout.Backend.kill_now`: SIGKILL to each server's process
+       group), calls ``forced`` (a last word) and exits with status 130 at once.
+
+    Whatever ends the run, instances the backends still hold when it returns are
+    killed, so none outlives the command.
+    """
+    try:
+        return asyncio.run(_interruptible(work, backends, forced))
+    except _Interrupted:
+        raise KeyboardInterrupt from None
+    finally:
+        for backend in backends:
+            backend.kill_now()
+
+
+async def _interruptible(
+    work: Coroutine[Any, Any, _T], backends: Sequence[Backend], forced: Callable[[], None]
+) -> _T:
+    loop = asyncio.get_running_loop()
+    job = asyncio.ensure_future(work)
+    presses = 0
+
+    def on_sigint() -> None:
+        nonlocal presses
+        presses += 1
+        if presses == 1:
+            job.cancel()
+            return
+        if presses == 2:
+            n = sum(b.outstanding() for b in backends)
+            what = f"still stopping {n} environment{'s' if n != 1 else ''}" if n else "stopping"
+            err.print(f"[yellow]{what}; press Ctrl-C again to force[/]")
+            return
+        killed = sum(b.kill_now() for b in backends)
+        err.print(f"[yellow]forced: killed {killed} environment process group(s)[/]")
+        forced()
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # no signals here: asyncio's own
+        return await job
+    try:
+        return await job
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if presses and (task is None or not task.cancelling()):
+            raise _Interrupted from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def _backend_factory(

@@ -7,8 +7,11 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -152,3 +155,39 @@ class SlowToBuildEnv(EchoEnv):
     def __init__(self, build_s: float = 0.0, max_steps: int | None = None) -> None:
         time.sleep(build_s)
         super().__init__(max_steps=max_steps)
+
+
+#: What a :class:`StubbornEnv` starts: a helper that records that it got SIGTERM, and
+#: carries on (until SIGKILL, or ten minutes).
+_STUBBORN_CHILD = """
+import pathlib, signal, sys, time
+marks = pathlib.Path(sys.argv[1])
+def term(*_):
+    with open(marks / "sigterm", "a") as f:
+        f.write("SIGTERM\\n")
+signal.signal(signal.SIGTERM, term)
+time.sleep(600)
+"""
+
+
+class StubbornEnv(FaultyEnv):
+    """An environment slow to stop: each one starts a helper process (in its server's
+    process group) that outlives SIGTERM, and closing one takes ``close_s`` (a minute;
+    the server's metadata probe, the first, closes at once as the server starts), so its
+    server is still shutting down long after SIGTERM.
+
+    ``$STUBBORN_DIR`` (required) receives one ``child-PID`` file per helper, and a
+    line in ``sigterm`` each time a helper gets SIGTERM: the server's stop has begun."""
+
+    created: ClassVar[int] = 0
+
+    def __init__(self, close_s: float = 60.0) -> None:
+        super().__init__()
+        StubbornEnv.created += 1
+        self.close_s = 0.0 if StubbornEnv.created == 1 else close_s
+        marks = Path(os.environ["STUBBORN_DIR"])
+        child = subprocess.Popen([sys.executable, "-c", _STUBBORN_CHILD, str(marks)])
+        (marks / f"child-{child.pid}").touch()
+
+    async def on_close(self) -> None:
+        await asyncio.sleep(self.close_s)

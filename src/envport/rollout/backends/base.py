@@ -122,6 +122,18 @@ class Backend(abc.ABC):
     async def aclose(self) -> None:
         """Stop every instance this backend object started."""
 
+    def outstanding(self) -> int:
+        """Instances this object started and has not stopped yet, as far as it tracks
+        them (0 if it does not): what a shutdown in progress still has to stop."""
+        return 0
+
+    def kill_now(self) -> int:
+        """Last resort, synchronous: kill every instance this object started and has not
+        stopped, without waiting for anything (a forced exit: the third Ctrl-C). Returns
+        how many it killed. Backends whose instances die with this process anyway, or
+        that cannot kill without a network round trip, kill nothing here."""
+        return 0
+
     async def __aenter__(self) -> Backend:
         return self
 

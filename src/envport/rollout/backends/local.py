@@ -23,11 +23,21 @@ re-adopts or stops them. A server whose starter died before it was ready is re-a
 it answers ``/health`` by then, else stopped and forgotten; one still being started by a
 live process is left to it. A pid is trusted only if that process's command line still
 names the instance id (no pid-reuse accidents).
+
+A controller that *exits* (as opposed to being killed) never leaves a server behind, even
+when its cleanup was cut short (a second Ctrl-C, an event loop torn down mid-stop). A stop
+is SIGTERM to the server's process group, up to ``stop_grace_s`` for the server to exit,
+then SIGKILL to the group, always: a child that ignores SIGTERM goes too. A stop cancelled
+while it waits sends that SIGKILL before it gives up. :meth:`LocalProcessBackend.kill_now`
+SIGKILLs every group the backend has not stopped yet, synchronously (a forced exit), and
+an :mod:`atexit` hook does the same for every server this process spawned and did not
+stop, whatever backend object started it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -148,6 +158,26 @@ def _kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+#: Servers this process spawned and has not stopped yet: pid (= process group) ->
+#: (state dir, instance id). What :func:`_kill_leftovers` kills when the process exits.
+_SPAWNED: dict[int, tuple[Path, str]] = {}
+_SPAWNER = os.getpid()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """At interpreter exit: SIGKILL the process group of every server still in
+    :data:`_SPAWNED` and forget its files. Nothing stopped them (their stop was cut
+    short); without this they would outlive the controller that exits. Not in a forked
+    child, whose exit must not take its parent's servers."""
+    if os.getpid() != _SPAWNER:
+        return
+    for pid, (state_dir, instance_id) in list(_SPAWNED.items()):
+        _kill_group(pid, signal.SIGKILL)
+        _forget(state_dir, instance_id)
+    _SPAWNED.clear()
+
+
 class LocalProcessBackend(Backend):
     """Environment servers as local processes, tracked in ``state_dir``."""
 
@@ -210,6 +240,7 @@ class LocalProcessBackend(Backend):
                 cwd=self.cwd,
             )
         self._procs[instance_id] = proc
+        _SPAWNED[proc.pid] = (self.state_dir, instance_id)
         instance = EnvInstance(
             instance_id=instance_id,
             backend=self.name,
@@ -285,17 +316,28 @@ class LocalProcessBackend(Backend):
         os.replace(tmp, self._state_file(instance.instance_id))
 
     async def _reap(self, instance: EnvInstance) -> None:
-        """Stop the server's process group, then forget it. Forgotten only once it is gone:
-        a reap cancelled midway (the controller exits) leaves the process in ``_procs``
-        and its record on disk, so :meth:`aclose` (or the next controller) reaps it."""
+        """Stop the server's process group, then forget it.
+
+        SIGTERM, up to ``stop_grace_s`` for the server to exit, then SIGKILL to the group
+        whether it exited or not (what it started and left behind goes with it). A reap
+        cancelled while it waits (a second Ctrl-C, the loop shutting down) sends that
+        SIGKILL before it gives up: a stop once begun is never left half done. Forgotten
+        only once it is gone: a reap cancelled midway leaves the process in ``_procs`` and
+        its record on disk, so :meth:`aclose` (or the next controller) reaps it."""
         pid = int(instance.meta.get("pid", 0))
         proc = self._procs.get(instance.instance_id)
         if pid and (proc is not None or _alive(pid, instance.instance_id)):
             _kill_group(pid, signal.SIGTERM)
-            if not await self._wait_gone(pid, instance.instance_id, proc, self.stop_grace_s):
+            try:
+                gone = await self._wait_gone(pid, instance.instance_id, proc, self.stop_grace_s)
                 _kill_group(pid, signal.SIGKILL)
-                await self._wait_gone(pid, instance.instance_id, proc, 5.0)
+                if not gone:
+                    await self._wait_gone(pid, instance.instance_id, proc, 5.0)
+            except BaseException:
+                _kill_group(pid, signal.SIGKILL)
+                raise
         self._procs.pop(instance.instance_id, None)
+        _SPAWNED.pop(pid, None)
         _forget(self.state_dir, instance.instance_id)
 
     @staticmethod
@@ -318,6 +360,20 @@ class LocalProcessBackend(Backend):
 
     async def stop(self, instance: EnvInstance) -> None:
         await self._reap(instance)
+
+    def outstanding(self) -> int:
+        return len(self._procs)
+
+    def kill_now(self) -> int:
+        """SIGKILL the process group of every server this backend started and has not
+        stopped, and forget their records; synchronous, waits for nothing."""
+        ids = list(self._procs)
+        for instance_id in ids:
+            pid = self._procs.pop(instance_id).pid
+            _kill_group(pid, signal.SIGKILL)
+            _SPAWNED.pop(pid, None)
+            _forget(self.state_dir, instance_id)
+        return len(ids)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
         want = dict(labels or {})

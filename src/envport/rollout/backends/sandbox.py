@@ -184,6 +184,9 @@ class SandboxBackend(Backend):
         for instance in list(self._instances.values()):
             await self.stop(instance)
 
+    def outstanding(self) -> int:
+        return len(self._instances)
+
 
 async def _health(instance: EnvInstance) -> bool:
     """``GET /health`` over the instance's Unix socket; never raises."""
