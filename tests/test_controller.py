@@ -853,6 +853,99 @@ def test_rollout_ids_with_slashes_in_tasks_and_groups_never_meet() -> None:
     assert len(ids) == 5
 
 
+class ResetHarness:
+    """Resets the environment (with the task's options) and stops: the rubric does the
+    rest."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        from envport.harness.agent import reset_options
+
+        await env.reset(**reset_options(task))
+
+
+def _shell_task(
+    task_id: str, command: str, *, timeout_s: float | None = None, **extra: Any
+) -> Task:
+    params: dict[str, Any] = {"command": command}
+    if timeout_s is not None:
+        params["timeout_s"] = timeout_s
+    rubric = [{"type": "test_command", "params": params}]
+    return Task(id=task_id, prompt="go", env_id="shell-v1", rubric=rubric, **extra)
+
+
+SHELL = {"env_options": {"shell-v1": {"allow_unisolated": True}}, **FAST}
+
+
+async def test_a_test_command_past_its_own_timeout_fails_with_its_own_error(
+    store: AsyncTraceStore,
+) -> None:
+    """The command's own timeout fires, not the scoring stage's deadline (shorter here):
+    the error names the command, its timeout and its output so far."""
+    config = ControllerConfig(scoring_timeout_s=0.5, **SHELL)
+    own = _shell_task("own", "echo started; sleep 30", timeout_s=1.0)
+    ctl = Controller(store, InProcessBackend(), ResetHarness(), config, run_id="r")
+    summary = await asyncio.wait_for(ctl.run([RolloutSpec(own)]), 60)
+    assert summary.failed == 1
+    (trace,) = await store.query(run_id="r")
+    (error,) = trace.errors
+    assert error.kind.value == "rubric"
+    assert "ran past its 1 s timeout" in error.message
+    assert "started" in error.message  # its output so far
+    assert "exceeded its deadline" not in error.message
+
+
+async def test_a_test_command_without_a_timeout_ends_inside_the_scoring_deadline(
+    store: AsyncTraceStore,
+) -> None:
+    """No timeout declared anywhere: the command gets the stage's time left less a grace,
+    so it is still its own timeout that fires."""
+    config = ControllerConfig(scoring_timeout_s=4.0, **SHELL)
+    ctl = Controller(store, InProcessBackend(), ResetHarness(), config, run_id="r")
+    await asyncio.wait_for(ctl.run([RolloutSpec(_shell_task("t", "sleep 30"))]), 60)
+    (trace,) = await store.query(run_id="r")
+    (error,) = trace.errors
+    assert "ran past its" in error.message
+    assert "exceeded its deadline" not in error.message
+
+
+async def test_a_verifier_timeout_longer_than_the_stage_default_is_honoured(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    """A task's scoring timeout (a Harbor verifier's timeout_sec) longer than the scoring
+    stage's default: the verifier may use all of it, and past it fails with its own
+    error."""
+    from envport.tasks import load_harbor
+
+    config = ControllerConfig(scoring_timeout_s=0.5, **SHELL)
+    tasks = []
+    for name, sleep in (("fits", 1.5), ("overruns", 30)):
+        root = _harbor_dir(tmp_path / name, sleep)
+        (task_,) = load_harbor(root)
+        assert task_.resources.timeouts.scoring == 3.0
+        tasks.append(task_)
+    ctl = Controller(store, InProcessBackend(), ResetHarness(), config, run_id="r")
+    await asyncio.wait_for(ctl.run([RolloutSpec(t) for t in tasks]), 60)
+    (fits,) = await store.query(run_id="r", task_id="fits")
+    assert fits.errors == []
+    assert fits.reward == 1.0
+    (overruns,) = await store.query(run_id="r", task_id="overruns")
+    (error,) = overruns.errors
+    assert "ran past its 3 s timeout" in error.message
+
+
+def _harbor_dir(task: Path, sleep: float) -> Path:
+    """A Harbor task whose verifier (timeout_sec 3) sleeps ``sleep`` s, then passes."""
+    (task / "environment").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "instruction.md").write_text("Nothing to do.\n")
+    (task / "task.toml").write_text('version = "1.0"\n\n[verifier]\ntimeout_sec = 3.0\n')
+    (task / "environment" / "Dockerfile").write_text("FROM python:3.13-slim\nWORKDIR /app\n")
+    (task / "tests" / "test.sh").write_text(
+        f"#!/bin/bash\nsleep {sleep}\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n"
+    )
+    return task
+
+
 def _harbor_task(root: Path, name: str) -> Task:
     from envport.tasks import read_harbor_task
 
@@ -865,7 +958,7 @@ def _harbor_task(root: Path, name: str) -> Task:
     return read_harbor_task(root / name)
 
 
-class ResetHarness:
+class ReadingHarness:
     """Resets with the task's own options (its task_dir), then reads what it was given."""
 
     async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
@@ -885,7 +978,7 @@ async def test_harbor_tasks_of_one_dataset_share_one_granted_pool_across_batches
     dataset = tmp_path / "dataset"
     first, second = _harbor_task(dataset, "a"), _harbor_task(dataset, "b")
     config = ControllerConfig(concurrency=1, **{**FAST, "hang_timeout_s": 30})
-    async with Controller(store, InProcessBackend(), ResetHarness(), config, run_id="h") as ctl:
+    async with Controller(store, InProcessBackend(), ReadingHarness(), config, run_id="h") as ctl:
         for one in (first, second):
             (result,) = await ctl.collect([RolloutSpec(one, 0)])
             assert result.succeeded, result.trace.errors

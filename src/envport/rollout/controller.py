@@ -217,7 +217,12 @@ class ControllerConfig(BaseModel):
     )
     env_start_timeout_s: float = Field(60.0, gt=0, description="Default env_start deadline.")
     agent_timeout_s: float = Field(300.0, gt=0, description="Default agent deadline.")
-    scoring_timeout_s: float = Field(300.0, gt=0, description="Default scoring deadline.")
+    scoring_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Default scoring deadline; extended to a command's own timeout (a "
+        "test_command's timeout_s, a Harbor verifier's timeout_sec) plus a grace.",
+    )
     hang_timeout_s: float | None = Field(
         60.0, gt=0, description="Abort an attempt after this long without a heartbeat."
     )
@@ -1025,10 +1030,6 @@ class Controller:
         start_s = timeouts.env_start or cfg.env_start_timeout_s
         agent_s = timeouts.agent or cfg.agent_timeout_s
         scoring_s = timeouts.scoring or cfg.scoring_timeout_s
-        # One environment call may run a whole verifier (Harbor's test.sh): a call may
-        # last as long as the longest stage. A call that hangs is cut by the watchdog
-        # (hang_timeout_s), which classifies it as an infrastructure fault and retries.
-        call_s = max(60.0, start_s, agent_s, scoring_s)
         t0 = time.perf_counter()
         stage = "task"
         rubric: Rubric | None = None
@@ -1036,6 +1037,15 @@ class Controller:
             # Built before anything starts: a task whose rubric cannot be built never
             # runs its agent (kind `task`), and the rubric says whether it totals.
             rubric = Rubric.for_task(task)
+            # A command the rubric runs (Harbor's verifier) has its own timeout, and must
+            # be the one to fire: the stage waits a grace beyond it.
+            command_s = rubric.command_timeout_s()
+            if command_s is not None:
+                scoring_s = max(scoring_s, command_s + GRACE_S)
+            # One environment call may run a whole verifier (Harbor's test.sh): a call
+            # may last as long as the longest stage. A call that hangs is cut by the
+            # watchdog (hang_timeout_s), which classifies it as infrastructure; retried.
+            call_s = max(60.0, start_s, agent_s, scoring_s)
             stage = "env_start"
             if task.env_id is None:
                 raise EnvportError(f"Task {task.id!r} names no environment (env_id).")

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from envport.deadlines import GRACE_S, stage_time_left
 from envport.rubrics.context import EnvHandle
 from envport.rubrics.errors import (
     CommandError,
@@ -44,7 +45,7 @@ from envport.rubrics.errors import (
     UnknownRubricTypeError,
 )
 from envport.rubrics.functions import RewardFn, Score
-from envport.rubrics.rubric import RewardFunc, Rubric
+from envport.rubrics.rubric import RewardFunc, Rubric, runs_command
 from envport.tasks.task import RubricSpec, Task
 from envport.trace.model import Trace
 
@@ -53,7 +54,9 @@ F = TypeVar("F", bound=Factory)
 
 _REGISTRY: dict[str, Factory] = {}
 
-#: Seconds a ``test_command`` may run when neither it nor the task says.
+#: Seconds a ``test_command`` may run when neither it nor the task says, outside any
+#: stage deadline (inside one, it gets the time left but for a grace: see
+#: :func:`run_test_command`).
 DEFAULT_COMMAND_TIMEOUT_S = 600.0
 #: Exit statuses with which a shell says a command could not be run at all.
 _CANNOT_RUN = {126: "not executable", 127: "not found"}
@@ -316,7 +319,15 @@ def run_test_command(
     times out), a reward file that does not hold a number, and a reward file that
     already exists before the command runs (stale, or forged by the agent) are errors,
     not 0.
-    The timeout is ``timeout_s``, else the task's scoring timeout, else 600 s.
+
+    The command's timeout is ``timeout_s``, else the task's scoring timeout (a Harbor
+    verifier's ``timeout_sec``), else what is left of the scoring stage's deadline
+    (:data:`~envport.deadlines.stage_deadline`, set by the rollout controller) less
+    :data:`~envport.deadlines.GRACE_S`, else :data:`DEFAULT_COMMAND_TIMEOUT_S`. The first
+    two are declared (:func:`~envport.rubrics.rubric.runs_command`): the rubric and the
+    controller's scoring stage wait that long plus the grace. So a command that runs too
+    long always fails with its own error ("ran past its N s timeout"), never the
+    stage's.
     """
     if not command:
         raise RubricBuildError("test_command: 'command' is empty")
@@ -337,7 +348,7 @@ def run_test_command(
                     "the agent). Score in a fresh environment."
                 )
         limit = timeout_s or (task.resources.timeouts.scoring if task else None)
-        result = await env.run(command, limit or DEFAULT_COMMAND_TIMEOUT_S)
+        result = await env.run(command, limit or _time_left_s())
         metrics = {"exit_code": float(result.exit_code)}
         from_file = await _read_reward(env, reward_file, reward_json)
         if from_file is not None:
@@ -354,7 +365,16 @@ def run_test_command(
         detail = _tail(result.stderr or result.stdout)
         return Score(0.0, f"exit status {result.exit_code}: {detail}", metrics)
 
-    return test_command
+    return runs_command(test_command, timeout_s)
+
+
+def _time_left_s() -> float:
+    """A command's timeout when nothing declares one: the stage's time left but for a
+    grace (so the command's timeout fires first), else the default."""
+    left = stage_time_left()
+    if left is None:
+        return DEFAULT_COMMAND_TIMEOUT_S
+    return max(left - min(GRACE_S, left / 2), 0.1)
 
 
 def _tail(text: str, limit: int = 2000) -> str:

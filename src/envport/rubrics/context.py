@@ -277,9 +277,11 @@ class ClientHandle:
         except ToolError as exc:
             raise CommandError(f"the environment could not run {text!r}: {exc}") from exc
         if isinstance(result, dict) and result.get("timed_out"):
+            so_far = "".join(str(result.get(k) or "") for k in ("stdout", "stderr")).strip()
+            so_far = so_far if len(so_far) <= 2000 else "…" + so_far[-2000:]
             raise CommandTimeoutError(
                 f"command {text!r} ran past its {timeout_s:g} s timeout in the environment "
-                "and was killed",
+                "and was killed" + (f"; its output so far:\n{so_far}" if so_far else ""),
                 timeout_s=timeout_s,
             )
         if not isinstance(result, dict) or not isinstance(result.get("exit_code"), int):

@@ -50,11 +50,13 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from envport.deadlines import extended
 from envport.rubrics.context import EnvHandle, ScoringContext
 from envport.rubrics.errors import RubricBuildError, RubricError
 from envport.rubrics.functions import (
@@ -70,6 +72,24 @@ from envport.trace.model import ErrorKind, Reward, Trace, TraceError
 
 if TYPE_CHECKING:
     from envport.tasks.task import Task
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Reward functions that run a command -> the command's timeout (None: the rubric's).
+_COMMANDS: weakref.WeakKeyDictionary[Callable[..., Any], float | None] = weakref.WeakKeyDictionary()
+
+
+def runs_command(fn: _F, timeout_s: float | None) -> _F:
+    """Declare that reward function ``fn`` runs a command that it gives ``timeout_s``
+    (``None``: the rubric's ``timeout_s``, which :meth:`Rubric.for_task` sets to the
+    task's scoring timeout). The layers above the command then wait ``timeout_s +``
+    :data:`~envport.deadlines.GRACE_S` for it when their own deadline is shorter (the
+    component's timeout here, the rollout controller's scoring stage: see
+    :meth:`Rubric.command_timeout_s`), so the command's own timeout is what fires, with
+    its own error (``test_command``'s "ran past its N s timeout"), never theirs."""
+    _COMMANDS[fn] = timeout_s
+    return fn
 
 
 class RewardFunc:
@@ -181,7 +201,9 @@ class Rubric:
     @classmethod
     def for_task(cls, task: Task, *, timeout_s: float | None = None) -> Rubric:
         """The rubric a task's ``rubric`` specs describe (see :func:`from_specs`); each
-        component's timeout is ``timeout_s``, else the task's scoring timeout.
+        component's timeout is ``timeout_s``, else the task's scoring timeout (a component
+        that runs a command, such as ``test_command``, waits for that command's own
+        timeout plus :data:`~envport.deadlines.GRACE_S` when that is longer).
 
         Cheap — no environment, no network — so a caller builds it before the agent runs
         and scores with it afterwards: a task whose rubric cannot be built (an unknown
@@ -196,6 +218,20 @@ class Rubric:
             return from_specs(task.rubric, timeout_s=timeout_s or task.resources.timeouts.scoring)
         except RubricBuildError as exc:
             raise locate(exc, f"task {task.id!r}", task=task.id) from exc.__cause__
+
+    def _command_s(self, f: RewardFunc) -> float | None:
+        """How long ``f``'s command may run (:func:`runs_command`), else ``None``."""
+        if f.fn not in _COMMANDS:
+            return None
+        return _COMMANDS[f.fn] or self.timeout_s
+
+    def command_timeout_s(self) -> float | None:
+        """The longest timeout a component gives the command it runs (:func:`runs_command`;
+        a Harbor verifier's ``timeout_sec``), or ``None`` when none declares one. Whoever
+        bounds the whole scoring (the rollout controller's scoring stage) waits at least
+        this plus :data:`~envport.deadlines.GRACE_S`."""
+        declared = [d for f in self.funcs if (d := self._command_s(f)) is not None]
+        return max(declared, default=None)
 
     @property
     def names(self) -> list[str]:
@@ -262,7 +298,8 @@ class Rubric:
 
     async def _score_one(self, f: RewardFunc, ctx: ScoringContext) -> Score | TraceError:
         where = f"rubric:{f.name}"
-        limit = f.timeout_s or self.timeout_s
+        # A command's own timeout fires first: the component waits a grace beyond it.
+        limit = extended(f.timeout_s or self.timeout_s, self._command_s(f))
         started = threading.Event()
         try:
             async with asyncio.timeout(limit) as deadline:
