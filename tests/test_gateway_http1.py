@@ -335,12 +335,22 @@ async def test_no_answer_on_a_new_connection_is_an_error(early: Declining | None
         await pool.aclose()
 
 
+CHUNKED_START = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
 @pytest.mark.parametrize(
     ("answer", "message"),
     [
         (JSON_HEAD + b"content-length: 100\r\n\r\n0123456789", "10 of 100 body bytes"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n10\r\nabc", "in a chunk"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        # int(..., 16) takes these; a chunk size is hex digits only (-6 looped forever)
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n-6\r\n0\r\n\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x3\r\nabc\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n+3\r\nabc\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1_0\r\nabc\r\n", "chunk size"),
+        (CHUNKED_START + b"1" * 17 + b"\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabcde\r\n", "CRLF"),
     ],
 )
 async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message: str) -> None:
@@ -360,6 +370,8 @@ async def test_a_body_cut_short_or_malformed_is_an_error(answer: bytes, message:
         (b"HTTP/1.1 2\xb2\xb3 OK\r\n\r\n", "not an HTTP/1.x status line"),  # not ASCII digits
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "malformed header line"),
         (JSON_HEAD + b"content-length: lots\r\n\r\n", "invalid content-length"),
+        (JSON_HEAD + b"content-length: -5\r\n\r\n", "invalid content-length"),
+        (JSON_HEAD + b"content-length: +5\r\n\r\n", "invalid content-length"),
         (b"HTTP/1.1 200 OK\r\ncontent-le", "headers cut short"),
     ],
 )
@@ -808,11 +820,13 @@ async def test_a_tapped_body_is_handed_over_as_it_arrives_and_the_connection_reu
     ("parts", "then", "error", "message"),
     [
         ((CHUNKED_HEAD, b"3\r\nabc\r\nzz\r\n"), "hold", RemoteProtocolError, "chunk size"),
+        ((CHUNKED_HEAD, b"3\r\nabc\r\n-6\r\n"), "hold", RemoteProtocolError, "chunk size"),
+        ((CHUNKED_HEAD, b"3\r\nabc\r\n1\r\nxyz"), "hold", RemoteProtocolError, "CRLF"),
         ((CHUNKED_HEAD, b"3\r\nabc\r\n5\r\nab"), "close", RemoteProtocolError, "in a chunk"),
         ((CHUNKED_HEAD, b"3\r\nabc\r\n"), "reset", HTTPError, ""),
         ((CHUNKED_HEAD, b"3\r\nabc\r\n"), "hold", ReadTimeout, "read timeout"),
     ],
-    ids=["malformed", "cut", "reset", "stalled"],
+    ids=["malformed", "negative", "no-crlf", "cut", "reset", "stalled"],
 )
 async def test_a_tapped_body_that_fails_is_told_once_and_its_connection_dropped(
     parts: tuple[bytes, ...], then: str, error: type[HTTPError], message: str

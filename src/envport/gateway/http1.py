@@ -616,13 +616,11 @@ class Response:
         elif "chunked" in headers.get("transfer-encoding", "").lower():
             self._chunks = _Dechunker()
         elif "content-length" in headers:
-            try:
-                self._length = self._left = int(headers["content-length"])
-            except ValueError:
+            length = headers["content-length"]
+            if not (length.isascii() and length.isdigit()):  # no sign, no "_", no spaces
                 self.close()
-                raise RemoteProtocolError(
-                    f"invalid content-length {headers['content-length']!r}"
-                ) from None
+                raise RemoteProtocolError(f"invalid content-length {length!r}")
+            self._length = self._left = int(length)
         else:
             self._keep_alive = False  # the body ends with the connection
         self._decoder: Any = None
@@ -972,6 +970,8 @@ class EarlySink(BodySink, Protocol):
 
 
 _MAX_CHUNK_LINE = 1 << 16  # a chunk size line (or trailer) longer than this is refused
+_MAX_CHUNK_DIGITS = 16  # a chunk size of more hex digits than this is refused
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class _Dechunker:
@@ -1024,18 +1024,24 @@ class _Dechunker:
                     self.done = True
                 continue
             line = buf[pos:nl]
-            try:
-                hexa = line.split(b";", 1)[0] if b";" in line else line
-                size = int(hexa.strip(), 16)
-            except ValueError:
+            hexa = (line.split(b";", 1)[0] if b";" in line else line).strip(b" \t\r")
+            # Hex digits only: int(..., 16) alone would take "-6" (a size that never
+            # ends the loop), "0x10", "+5" or "1_0".
+            if not hexa or len(hexa) > _MAX_CHUNK_DIGITS or hexa.lstrip(_HEX_DIGITS):
                 self.error = RemoteProtocolError(f"malformed chunk size line {line[:50]!r}")
                 break
+            size = int(hexa, 16)
             if size == 0:
                 self.trailers = True
                 pos = nl + 1
                 continue
             end = nl + 1 + size
             if len(buf) < end + 2:
+                break
+            if buf[end : end + 2] != b"\r\n":
+                self.error = RemoteProtocolError(
+                    f"a chunk's data does not end with CRLF: {buf[end : end + 2]!r}"
+                )
                 break
             out.append(buf[nl + 1 : end])
             pos = end + 2
