@@ -257,6 +257,47 @@ async def test_an_oversize_body_gets_413_whether_announced_or_streamed() -> None
     assert calls == [b"y" * 1000]
 
 
+async def test_an_oversize_head_gets_431_however_it_comes() -> None:
+    """Before anything is authenticated, a request's head is bounded: one endless header
+    line (held by the parser until it ends), too many lines, a long URL."""
+    calls: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append((await receive())["body"])
+            await echo_body(b"ok", send)
+
+    async with running(app) as (port, _):  # the default: 64 KiB
+        reader, writer = await connect(port)
+        writer.write(b"POST / HTTP/1.1\r\nhost: t\r\nx-pad: ")
+        for _ in range(66):  # one line that never ends, a piece at a time (the last crosses)
+            writer.write(b"a" * 1000)
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        status, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert status == 431
+        assert b"65536 bytes" in body
+        assert await closed(reader)
+
+    async with running(app, max_head=4096) as (port, _):
+        reader, writer = await connect(port)  # small, but too many lines
+        writer.write(b"POST / HTTP/1.1\r\nhost: t\r\n" + b"x: 1\r\n" * 300 + b"\r\n")
+        status, _, _ = await asyncio.wait_for(read_response(reader), 5)
+        assert status == 431
+        assert await closed(reader)
+
+        reader, writer = await connect(port)  # a long URL, all in one read
+        writer.write(request("/" + "u" * 5000))
+        status, _, _ = await asyncio.wait_for(read_response(reader), 5)
+        assert status == 431
+
+        reader, writer = await connect(port)  # under the limit is fine
+        writer.write(request("/" + "u" * 1000, extra="x-pad: " + "a" * 2000 + "\r\n"))
+        status, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert (status, body) == (200, b"ok")
+    assert calls == [b""]
+
+
 async def test_expect_100_continue_gets_the_interim_answer() -> None:
     async with running(echo) as (port, _):
         reader, writer = await connect(port)

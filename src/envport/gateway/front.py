@@ -6,7 +6,8 @@ server does per request is on the path to every agent's first token, and under b
 the requests ahead of it. This server does per request only what HTTP/1.1 needs:
 
 * the request is parsed by httptools (llhttp) and handed to the app once complete, with
-  its body (bounded by ``max_body``, else ``413``): ``receive()`` answers it at once and
+  its body (bounded by ``max_body``, else ``413``; its line and headers by ``max_head``
+  bytes and ``MAX_HEADERS`` lines, else ``431``): ``receive()`` answers it at once and
   then waits only for a disconnect;
 * the app runs on it right away, up to its first wait, inside its own task
   (:meth:`_Http11._start`), so under a burst each request reaches its upstream call
@@ -52,6 +53,8 @@ ASGIApp = Callable[
 ]
 
 MAX_BODY = 64 * 1024 * 1024
+MAX_HEAD = 64 * 1024  # a request's line and headers, in bytes
+MAX_HEADERS = 256  # header lines in one request
 KEEP_ALIVE_S = 5.0
 GRACE_S = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -91,10 +94,17 @@ class _Server:
     """What every connection shares: the app, limits, the live connections."""
 
     def __init__(
-        self, app: ASGIApp, *, max_body: int, keep_alive_s: float, state: dict[str, Any]
+        self,
+        app: ASGIApp,
+        *,
+        max_body: int,
+        keep_alive_s: float,
+        state: dict[str, Any],
+        max_head: int = MAX_HEAD,
     ) -> None:
         self.app = app
         self.max_body = max_body
+        self.max_head = max_head
         self.keep_alive_s = keep_alive_s
         self.state = state
         self.clock = _Clock()
@@ -277,6 +287,8 @@ class _Http11(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.heading = False  # its head is not complete yet
+        self.head_size = 0  # bytes read while its head was not complete
         self.refused = False  # answered without the app (and closing): the rest is ignored
 
     # --- asyncio.Protocol -------------------------------------------------------------
@@ -328,6 +340,10 @@ class _Http11(asyncio.Protocol):
             self._refuse(400, "Upgrades (WebSocket, h2c) are not served here.")
         except httptools.HttpParserError as exc:
             self._refuse(400, f"Invalid HTTP request: {exc}")
+        if self.heading:  # (httptools holds a header line until it ends: counted here)
+            self.head_size += len(data)
+            if self.head_size > self.server.max_head:
+                self._head_too_large()
 
     # --- httptools callbacks ----------------------------------------------------------
 
@@ -336,6 +352,8 @@ class _Http11(asyncio.Protocol):
         self.headers = []
         self.body = []
         self.size = 0
+        self.heading = True
+        self.head_size = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -344,10 +362,18 @@ class _Http11(asyncio.Protocol):
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self.heading = False
         if self.parser.should_upgrade():
             self._refuse(400, "Upgrades (WebSocket, h2c) are not served here.")
             return
-        for name, value in self.headers:
+        headers = self.headers
+        size = len(self.url)
+        for name, value in headers:
+            size += len(name) + len(value)
+        if size > self.server.max_head or len(headers) > MAX_HEADERS:
+            self._head_too_large()
+            return
+        for name, value in headers:
             if name == b"content-length" and value.isdigit():
                 if int(value) > self.server.max_body:
                     self._too_large()
@@ -363,6 +389,14 @@ class _Http11(asyncio.Protocol):
             self._too_large()
         else:
             self.body.append(body)
+
+    def _head_too_large(self) -> None:
+        self._refuse(
+            431,
+            f"The request's headers are larger than this server takes "
+            f"({self.server.max_head} bytes, {MAX_HEADERS} lines).",
+        )
+        self.headers = []
 
     def _too_large(self) -> None:
         limit = self.server.max_body
@@ -598,6 +632,7 @@ async def serve_asgi(
     port: int = 8100,
     *,
     max_body: int = MAX_BODY,
+    max_head: int = MAX_HEAD,
     keep_alive_s: float = KEEP_ALIVE_S,
     grace_s: float = GRACE_S,
     stop: asyncio.Event | None = None,
@@ -613,7 +648,9 @@ async def serve_asgi(
     state: dict[str, Any] = {}
     lifespan = _Lifespan(app, state)
     await lifespan.startup()
-    shared = _Server(app, max_body=max_body, keep_alive_s=keep_alive_s, state=state)
+    shared = _Server(
+        app, max_body=max_body, max_head=max_head, keep_alive_s=keep_alive_s, state=state
+    )
     server = await loop.create_server(lambda: _Http11(shared), host, port, backlog=2048)
     handled: list[signal.Signals] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
