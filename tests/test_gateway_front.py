@@ -489,6 +489,35 @@ async def test_idle_keep_alive_connections_are_closed_busy_ones_are_not() -> Non
         assert await closed(reader, within_s=3)  # then idle: closed
 
 
+@pytest.mark.parametrize("part", ["head", "body"])
+async def test_a_request_trickling_in_gets_408_and_is_closed(part: str) -> None:
+    """Each byte comes well within the keep-alive timeout, but the request as a whole
+    never arrives: it is timed from its first byte, not from its latest."""
+    async with running(echo, keep_alive_s=0.5, request_timeout_s=1.0) as (port, _):
+        reader, writer = await connect(port)
+        head = b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n"
+        if part == "body":
+            writer.write(head + b"\r\n")
+        trickle = (head if part == "head" else b"") + b"x" * 1000
+        answer = asyncio.ensure_future(read_response(reader))
+        sent = 0
+        while not answer.done() and sent < 100:  # 10 s at most
+            writer.write(trickle[sent : sent + 1])
+            sent += 1
+            await asyncio.sleep(0.1)
+        status, _, body = await asyncio.wait_for(answer, 5)
+        assert status == 408
+        assert b"within 1 s" in body
+        assert await closed(reader)
+
+        reader, writer = await connect(port)  # slow, but in time: served
+        for piece in (b"POST / HTTP/1.1\r\nhost: t\r\n", b"content-length: 2\r\n\r\n", b"hi"):
+            writer.write(piece)
+            await asyncio.sleep(0.2)
+        _, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert body == b"POST /?|hi"
+
+
 async def test_lifespan_runs_around_serving() -> None:
     events: list[str] = []
 

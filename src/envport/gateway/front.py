@@ -15,7 +15,9 @@ the requests ahead of it. This server does per request only what HTTP/1.1 needs:
 * ``send()`` writes each message to the socket as it comes (the head at once, bodies
   chunked unless the app gave a length) and waits only when the socket's buffer is full;
 * keep-alive connections idle longer than ``keep_alive_s`` are closed by one sweep per
-  second, not by a timer per request; pipelined requests wait for the answer before them.
+  second, not by a timer per request, and the same sweep answers ``408`` to a request
+  that is still arriving ``request_timeout_s`` after its first byte (a client trickling
+  bytes in is not kept forever); pipelined requests wait for the answer before them.
 
 What it does not do (the gateway needs none of it): WebSockets and other upgrades
 (``400``), TLS (put it behind a TLS-terminating proxy), HTTP/2. It runs the app's
@@ -56,6 +58,7 @@ MAX_BODY = 64 * 1024 * 1024
 MAX_HEAD = 64 * 1024  # a request's line and headers, in bytes
 MAX_HEADERS = 256  # header lines in one request
 KEEP_ALIVE_S = 5.0
+REQUEST_TIMEOUT_S = 30.0  # from a request's first byte to its last
 GRACE_S = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
@@ -101,11 +104,13 @@ class _Server:
         keep_alive_s: float,
         state: dict[str, Any],
         max_head: int = MAX_HEAD,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         self.app = app
         self.max_body = max_body
         self.max_head = max_head
         self.keep_alive_s = keep_alive_s
+        self.request_timeout_s = request_timeout_s
         self.state = state
         self.clock = _Clock()
         self.connections: set[_Http11] = set()
@@ -113,10 +118,22 @@ class _Server:
         self.all_closed = asyncio.Event()  # set once closing and no connection is left
 
     def sweep(self) -> None:
-        """Close keep-alive connections idle for longer than ``keep_alive_s``."""
-        cutoff = time.monotonic() - self.keep_alive_s
+        """Close keep-alive connections idle for longer than ``keep_alive_s``, and answer
+        ``408`` (and close) to a request still arriving ``request_timeout_s`` after its
+        first byte: its bytes trickling in do not make it new (a slow-loris client would
+        hold the connection forever). Connections with an answer in progress are left
+        alone (a request behind it is timed from when its turn came)."""
+        now = time.monotonic()
+        idle = now - self.keep_alive_s
+        late = now - self.request_timeout_s
         for conn in list(self.connections):
-            if conn.exchange is None and conn.idle_since < cutoff:
+            if conn.exchange is not None:
+                continue
+            began = conn.began
+            if began:
+                if began < late:
+                    conn.too_slow()
+            elif conn.idle_since < idle:
                 conn.transport.close()
 
 
@@ -287,6 +304,7 @@ class _Http11(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.size = 0
+        self.began = 0.0  # when its first byte came (monotonic); 0: none is arriving
         self.heading = False  # its head is not complete yet
         self.head_size = 0  # bytes read while its head was not complete
         self.refused = False  # answered without the app (and closing): the rest is ignored
@@ -333,7 +351,6 @@ class _Http11(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return
-        self.idle_since = time.monotonic()  # a request arriving slowly is not idle
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -352,6 +369,7 @@ class _Http11(asyncio.Protocol):
         self.headers = []
         self.body = []
         self.size = 0
+        self.began = time.monotonic()
         self.heading = True
         self.head_size = 0
 
@@ -404,6 +422,7 @@ class _Http11(asyncio.Protocol):
         self.body = []
 
     def on_message_complete(self) -> None:
+        self.began = 0.0
         if self.refused or self.transport.is_closing():
             return  # answered already, or the connection ends: nothing more is served
         parser = self.parser
@@ -505,7 +524,15 @@ class _Http11(asyncio.Protocol):
                 self.transport.resume_reading()
             self._start(scope, body, keep_alive)
             return
-        self.idle_since = time.monotonic()
+        self.idle_since = now = time.monotonic()
+        if self.began:  # the next request is arriving: its time starts now
+            self.began = now
+
+    def too_slow(self) -> None:
+        """The request being read took longer than ``request_timeout_s`` (see sweep)."""
+        self.began = 0.0
+        limit = self.server.request_timeout_s
+        self._refuse(408, f"The request did not arrive within {limit:g} s.")
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer a request the app never sees, and close the connection."""
@@ -634,6 +661,7 @@ async def serve_asgi(
     max_body: int = MAX_BODY,
     max_head: int = MAX_HEAD,
     keep_alive_s: float = KEEP_ALIVE_S,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
     grace_s: float = GRACE_S,
     stop: asyncio.Event | None = None,
     ready: Callable[[int], None] | None = None,
@@ -649,7 +677,12 @@ async def serve_asgi(
     lifespan = _Lifespan(app, state)
     await lifespan.startup()
     shared = _Server(
-        app, max_body=max_body, max_head=max_head, keep_alive_s=keep_alive_s, state=state
+        app,
+        max_body=max_body,
+        max_head=max_head,
+        keep_alive_s=keep_alive_s,
+        request_timeout_s=request_timeout_s,
+        state=state,
     )
     server = await loop.create_server(lambda: _Http11(shared), host, port, backlog=2048)
     handled: list[signal.Signals] = []
@@ -660,7 +693,7 @@ async def serve_asgi(
     try:
         if ready is not None:
             ready(server.sockets[0].getsockname()[1])
-        every = min(1.0, keep_alive_s / 2)
+        every = min(1.0, keep_alive_s / 2, request_timeout_s / 2)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), every)
