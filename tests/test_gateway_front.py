@@ -311,6 +311,54 @@ async def test_expect_100_continue_gets_the_interim_answer() -> None:
         writer.close()
 
 
+async def test_100_continue_waits_its_turn_and_checks_and_is_for_http11_only() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.body", "body": b"data: 1", "more_body": True})
+            await release.wait()
+        await send({"type": "http.response.body", "body": b"|" + body})
+
+    async with running(app, max_body=1000) as (port, _):
+        # pipelined behind an answer still streaming: not in the middle of it
+        reader, writer = await connect(port)
+        writer.write(request("/stream"))
+        await reader.readuntil(b"data: 1\r\n")
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: t\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"
+        )
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.read(1), 0.3)  # nothing, 100 included, for now
+        release.set()
+        rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+        assert rest == b"1\r\n|\r\n0\r\n\r\n"  # the stream ends as it should
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"hi")
+        _, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert body == b"|hi"
+
+        # too large: 413 at once, no 100 before it (whatever the order of the headers)
+        reader, writer = await connect(port)
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: t\r\nexpect: 100-continue\r\ncontent-length: 5000\r\n\r\n"
+        )
+        status, _, _ = await asyncio.wait_for(read_response(reader), 5)
+        assert status == 413
+
+        # HTTP/1.0 has no 100 Continue
+        reader, writer = await connect(port)
+        writer.write(b"POST / HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n")
+        await asyncio.sleep(0.1)
+        writer.write(b"ok")
+        status, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert (status, body) == (200, b"|ok")
+
+
 async def test_head_answers_carry_no_body() -> None:
     async with running(echo) as (port, _):
         reader, writer = await connect(port)

@@ -63,6 +63,7 @@ GRACE_S = 30.0
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _NO_BODY_STATUSES = frozenset({204, 304})
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # The scope extension under which an app finds the exchange's synchronous send
 # (:meth:`_Exchange.send_nowait`); envport's gateway relays streams with it.
 SEND_NOWAIT = "envport.send_nowait"
@@ -307,6 +308,7 @@ class _Http11(asyncio.Protocol):
         self.began = 0.0  # when its first byte came (monotonic); 0: none is arriving
         self.heading = False  # its head is not complete yet
         self.head_size = 0  # bytes read while its head was not complete
+        self.continue_due = False  # it expects 100 Continue once its turn comes
         self.refused = False  # answered without the app (and closing): the rest is ignored
 
     # --- asyncio.Protocol -------------------------------------------------------------
@@ -391,17 +393,26 @@ class _Http11(asyncio.Protocol):
         if size > self.server.max_head or len(headers) > MAX_HEADERS:
             self._head_too_large()
             return
+        expect = False
         for name, value in headers:
             if name == b"content-length" and value.isdigit():
                 if int(value) > self.server.max_body:
                     self._too_large()
                     return
             elif name == b"expect" and value.lower() == b"100-continue":
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                expect = True
+        # Only to HTTP/1.1 clients, and only once the answers before it are out: in the
+        # middle of another answer it would corrupt that one (see answered()).
+        if expect and self.parser.get_http_version() == "1.1":
+            if self.exchange is None:
+                self.transport.write(_CONTINUE)
+            else:
+                self.continue_due = True
 
     def on_body(self, body: bytes) -> None:
         if self.refused:
             return
+        self.continue_due = False  # the body comes without it
         self.size += len(body)
         if self.size > self.server.max_body:
             self._too_large()
@@ -423,6 +434,7 @@ class _Http11(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.began = 0.0
+        self.continue_due = False
         if self.refused or self.transport.is_closing():
             return  # answered already, or the connection ends: nothing more is served
         parser = self.parser
@@ -527,6 +539,9 @@ class _Http11(asyncio.Protocol):
         self.idle_since = now = time.monotonic()
         if self.began:  # the next request is arriving: its time starts now
             self.began = now
+            if self.continue_due:  # and the client waits for this to send its body
+                self.continue_due = False
+                self.transport.write(_CONTINUE)
 
     def too_slow(self) -> None:
         """The request being read took longer than ``request_timeout_s`` (see sweep)."""
