@@ -439,6 +439,37 @@ async def test_app_failures_get_500_or_a_cut_connection(caplog: pytest.LogCaptur
     assert "unfinished" in text
 
 
+async def test_a_failure_after_a_complete_answer_keeps_the_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Starlette's error middleware sends a whole 500, then re-raises: the answer is
+    complete, so the failure is logged and the next request on the connection (here
+    pipelined) is served."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        if scope["path"] == "/fail":
+            await echo_body(b"Internal Server Error", send)
+            raise ValueError("boom after the answer")
+        await echo_body(b"fine", send)
+
+    caplog.set_level(logging.ERROR, "envport.gateway.front")
+    async with running(app) as (port, _):
+        reader, writer = await connect(port)
+        writer.write(request("/fail") + request("/next"))
+        _, headers, body = await asyncio.wait_for(read_response(reader), 5)
+        assert body == b"Internal Server Error"
+        assert headers.get("connection") != "close"
+        _, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert body == b"fine"
+        writer.write(request("/again"))  # and it stays open
+        _, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert body == b"fine"
+    assert "boom after the answer" in caplog.text
+
+
 async def test_the_head_goes_out_alone_when_the_body_is_not_ready() -> None:
     """The head waits for the first body bytes to go out with them (one write), but
     never for an app that waits between the two: it goes out at the end of the step."""

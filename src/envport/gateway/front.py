@@ -504,7 +504,9 @@ class _Http11(asyncio.Protocol):
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 _log.exception("the app failed on %s %s", scope["method"], scope["path"])
-            if (not exchange.started or exchange.head) and not self.lost:
+            if exchange.complete:
+                pass  # answered whole (an error middleware's 500, re-raised): carry on
+            elif (not exchange.started or exchange.head) and not self.lost:
                 exchange.head = b""  # nothing went out yet: the answer can still be a 500
                 exchange.keep_alive = False
                 self._answer_plain(500, "Internal Server Error")
