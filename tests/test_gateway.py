@@ -994,6 +994,34 @@ async def test_paused_past_the_wait_is_503(serve: Any, upstream: tuple[str, Any]
     assert view["errors"][0]["kind"] == "infrastructure"
 
 
+async def test_a_call_waiting_at_the_gate_when_its_rollout_finishes_gets_410(
+    serve: Any, upstream: tuple[str, Any]
+) -> None:
+    served: Served = serve([upstream[0]])
+    ro = await served.rollout()
+    await served.admin.post("/admin/pause", json={"drain": False})
+    async with served.client(ro) as client:
+        waiting = asyncio.create_task(client.chat.completions.create(model="m", messages=ASK))
+
+        async def queued() -> bool:
+            return (await served.stats())["waiting"] == 1
+
+        await wait_for(queued)
+        finish = await served.admin.post(f"/admin/rollouts/{ro['rollout_id']}/finish", json={})
+        assert finish.json()["model_calls"] == 0
+        await served.admin.post("/admin/resume", json={"policy_version": 2})
+        with pytest.raises(openai.APIStatusError) as info:
+            await waiting
+    assert info.value.status_code == 410
+    assert info.value.body["code"] == "rollout_finished"  # type: ignore[index]
+    stats = await served.stats()
+    await served.admin.aclose()
+    assert stats["in_flight"] == 0
+    assert stats["calls"] == 0  # never forwarded
+    assert stats["upstreams"][0]["rollouts"] == 0  # and the finished rollout not assigned
+    assert ro["rollout_id"] not in served.gw.pool._sticky
+
+
 # --- rollouts, the store ----------------------------------------------------------------------
 
 

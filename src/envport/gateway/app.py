@@ -566,6 +566,16 @@ class Gateway:
                 TraceError(kind=ErrorKind.INFRASTRUCTURE, message=exc.message, where="gateway")
             )
             return exc.response(api.dialect), None
+        if rollout.state is not RolloutState.LIVE:
+            # finished while this call waited at the gate: its trace is closed (and
+            # stored), its token revoked; forwarding it would record it nowhere
+            self.gate.leave()
+            finished = RolloutFinishedError(
+                f"Rollout {rollout.rollout_id!r} was finished while this call waited for "
+                "the gateway to resume; it takes no more calls.",
+                error_code="rollout_finished",
+            )
+            return finished.response(api.dialect), None
         rollout.begin()
         t0, started = time.perf_counter(), time.time()
         call_id = new_id()
