@@ -1067,6 +1067,52 @@ async def test_finish_stores_the_trace_and_revokes_the_agent(
     store.close()
 
 
+class _FlakyStore(SQLiteTraceStore):
+    """A store whose writes fail while ``failing`` is set."""
+
+    failing = True
+
+    def put_many(self, traces: Any) -> int:
+        if self.failing:
+            raise TraceStoreError("disk full (simulated)")
+        return super().put_many(traces)
+
+
+async def test_a_finish_the_store_fails_is_a_503_and_a_retry_stores_the_trace(
+    serve: Any, upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    store = _FlakyStore(tmp_path / "traces.db")
+    served: Served = serve([upstream[0]], store=store)
+    ro = await served.rollout(task_id="t1")
+    rid = ro["rollout_id"]
+    async with served.client(ro) as client:
+        await client.chat.completions.create(model="m", messages=ASK)
+        r = await served.admin.post(f"/admin/rollouts/{rid}/finish", json={"reward": 1.0})
+        assert r.status_code == 503
+        assert r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "trace_not_stored"
+        assert "disk full" in r.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):  # closed to calls all the same
+            await client.chat.completions.create(model="m", messages=ASK)
+    assert (await served.view(rid))["state"] == "finishing"
+    r = await served.admin.post(f"/admin/rollouts/{rid}/finish", json={"reward": 1.0})
+    assert r.status_code == 503  # still failing: still kept
+    store.failing = False
+    r = await served.admin.post(f"/admin/rollouts/{rid}/finish", json={"reward": 1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["model_calls"] == 1
+    [trace] = store.query(rollout_id=rid)
+    assert trace.reward == 1.0
+    assert trace.task_id == "t1"
+    assert len(trace.model_calls) == 1
+    assert r.json()["trace_id"] == trace.trace_id
+    assert (await served.stats())["rollouts_live"] == 0
+    again = await served.admin.post(f"/admin/rollouts/{rid}/finish", json={"reward": 1.0})
+    assert again.status_code == 410
+    await served.admin.aclose()
+    store.close()
+
+
 async def test_rollout_from_header_or_from_the_token(gw: Served) -> None:
     ro = await gw.rollout()
     base = f"{gw.url}/v1"

@@ -97,6 +97,7 @@ from envport.gateway.errors import (
     RolloutConflictError,
     RolloutFinishedError,
     RolloutNotFoundError,
+    TraceNotStoredError,
     UpstreamError,
     UpstreamTimeoutError,
     openai_type,
@@ -389,27 +390,48 @@ class Gateway:
         )
 
     async def finish_rollout(self, rollout_id: str, finish: FinishRequest | None = None) -> Trace:
-        """Close the rollout: no more calls, wait for those in flight, store its trace."""
+        """Close the rollout: no more calls, wait for those in flight, store its trace.
+
+        If the store fails, the rollout stays closed to calls (``finishing``) with its
+        trace kept, and :class:`TraceNotStoredError` (503) is raised: finishing it again
+        stores it (the same ``trace_id``, with that finish's outcome) once the store is
+        back."""
         rollout = self.rollout(rollout_id)
-        if rollout.state is not RolloutState.LIVE:
+        kept = rollout.unstored
+        if kept is not None:
+            rollout.unstored = None  # this finish stores it; another one meanwhile is 410
+        elif rollout.state is not RolloutState.LIVE:
             raise RolloutFinishedError(
                 f"Rollout {rollout_id!r} is already finishing.", error_code="rollout_finished"
             )
-        rollout.state = RolloutState.FINISHING
-        self.tokens.revoke_rollout(rollout_id)
-        if not await rollout.wait_idle(self.finish_wait_s):
-            rollout.errors.append(
-                TraceError(
-                    kind=ErrorKind.INFRASTRUCTURE,
-                    message=f"{rollout.in_flight} model call(s) still in flight after "
-                    f"{self.finish_wait_s:g} s when the rollout was finished; not recorded.",
-                    where="gateway",
+        else:
+            rollout.state = RolloutState.FINISHING
+            self.tokens.revoke_rollout(rollout_id)
+            if not await rollout.wait_idle(self.finish_wait_s):
+                rollout.errors.append(
+                    TraceError(
+                        kind=ErrorKind.INFRASTRUCTURE,
+                        message=f"{rollout.in_flight} model call(s) still in flight after "
+                        f"{self.finish_wait_s:g} s when the rollout was finished; not recorded.",
+                        where="gateway",
+                    )
                 )
-            )
-        await rollout.build()  # a slice at a time: streams go on meanwhile
+            await rollout.build()  # a slice at a time: streams go on meanwhile
         trace = rollout.to_trace(finish or FinishRequest())
+        if kept is not None:
+            trace.trace_id = kept.trace_id  # one trace, however many finishes it took
         if self.writer is not None:
-            await self.writer.put(trace)  # stored, and unregistered (see _unregister)
+            try:
+                await self.writer.put(trace)  # stored, and unregistered (see _unregister)
+            except Exception as exc:
+                rollout.unstored = trace
+                _log.error("the trace of rollout %s was not stored: %r", rollout_id, exc)
+                raise TraceNotStoredError(
+                    f"The trace of rollout {rollout_id!r} could not be stored ({exc}); it is "
+                    "kept: finish the rollout again to store it.",
+                    error_code="trace_not_stored",
+                    retry_after_s=1.0,
+                ) from exc
         rollout.state = RolloutState.FINISHED
         del self.rollouts[rollout_id]
         self.pool.forget(rollout_id)

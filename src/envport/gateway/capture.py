@@ -603,6 +603,7 @@ class Rollout:
         self._calls: list[ModelCall] = []
         self._pending: list[tuple[CallRecord, str, str, int]] = []
         self.errors: list[TraceError] = []
+        self.unstored: Trace | None = None  # its trace, built, that the store failed
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()

@@ -12,6 +12,7 @@
         ├── RolloutFinishedError      410: the rollout was finished; no more calls
         ├── NotImplementedRouteError  501: an API the gateway cannot translate yet
         ├── PausedError               503: paused for a weight update longer than the wait
+        ├── TraceNotStoredError       503: a finished rollout's trace could not be stored
         └── UpstreamError             502: upstream down, invalid JSON, cut stream
             └── UpstreamTimeoutError  504: upstream did not answer within the budget
 
@@ -156,6 +157,14 @@ class PausedError(GatewayError):
     status = 503
     type = "service_unavailable_error"
     code = ErrorCode.CAPACITY_REACHED
+
+
+class TraceNotStoredError(GatewayError):
+    """The store failed a finished rollout's trace; the trace is kept, and finishing the
+    rollout again stores it."""
+
+    status = 503
+    type = "service_unavailable_error"
 
 
 class UpstreamError(GatewayError):
