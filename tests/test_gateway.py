@@ -1927,6 +1927,43 @@ async def _raw_upstream(parts: list[bytes], gates: list[asyncio.Event]) -> Async
         await server.wait_closed()
 
 
+async def test_crlf_events_split_between_cr_and_lf_are_relayed_whole(serve: Any) -> None:
+    def event(content: str) -> bytes:
+        choice = {"index": 0, "delta": {"content": content}, "finish_reason": None}
+        chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        return b"data: " + orjson.dumps({**chunk, "choices": [choice]})
+
+    def chunked(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    parts = [  # CRLF line ends; a read ends between the CR and the LF of a blank line
+        SSE_HEAD + chunked(event("a") + b"\r\n\r"),
+        chunked(b"\n" + event("b") + b"\r\n\r"),
+        chunked(b"\ndata: [DONE]\r\n\r\n") + b"0\r\n\r\n",
+    ]
+    gates = [asyncio.Event(), asyncio.Event()]
+    async with _raw_upstream(parts, gates) as url:
+        served: Served = serve([url])
+        ro = await served.rollout()
+
+        async def pace() -> None:
+            for gate in gates:
+                await asyncio.sleep(0.05)  # each part its own read
+                gate.set()
+
+        async with served.client(ro) as client:
+            pacing = asyncio.create_task(pace())
+            stream = await client.chat.completions.create(model="m", messages=ASK, stream=True)
+            seen = [c.choices[0].delta.content async for c in stream]
+            await pacing
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert seen == ["a", "b"]
+    assert call.error is None
+    assert call.response is not None
+    assert call.response["choices"][0]["message"]["content"] == "ab"
+
+
 async def _agent_call(gateway: Gateway, send: Any) -> tuple[Any, Any, dict[str, Any], Any]:
     """``handle_call`` as the front does it: (outcome, call, scope, receive)."""
     from envport.gateway.app import CHAT

@@ -1346,18 +1346,22 @@ class _Relay:
 
         The chunks (parsed) are given only to a translator; a pass-through relay gets an
         empty list, and each chunk's bytes are kept for the record instead."""
-        if b"\r" in piece:
-            piece = piece.replace(b"\r\n", b"\n")
         buf = self._buf
-        if not buf and piece.endswith(b"\n\n"):
+        if buf:
+            piece = buf + piece
+        if b"\r" in piece:  # CRLF line ends (valid SSE), made LF over the joined bytes: a
+            # CRLF split between two reads is one (a trailing CR waits in the leftover)
+            piece = piece.replace(b"\r\n", b"\n")
+        if piece.endswith(b"\n\n"):
             events = piece  # the usual read: whole events, nothing left over
+            if buf:
+                self._buf = b""
         else:
-            buf += piece
-            last = buf.rfind(b"\n\n")
+            last = piece.rfind(b"\n\n")
             if last < 0:
-                self._buf = buf
+                self._buf = piece
                 return b"", []
-            events, self._buf = buf[: last + 2], buf[last + 2 :]
+            events, self._buf = piece[: last + 2], piece[last + 2 :]
         chunks: list[dict[str, Any]] = []
         start = good = 0
         try:
