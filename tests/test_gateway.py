@@ -1389,6 +1389,54 @@ async def test_an_agent_leaving_before_the_first_token_is_heard_while_upstream_w
     assert stats["upstreams"][0]["in_flight"] == 0
 
 
+async def test_an_agent_leaving_a_non_streamed_call_closes_upstream_and_is_recorded(
+    serve: Any,
+) -> None:
+    """Upstream never answers; the agent walks away: its call stops there (upstream's
+    request closed, the slot freed for a drain) and is recorded as the agent's doing."""
+    asked = asyncio.Event()
+    upstream_closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        asked.set()
+        await reader.read()  # until the gateway closes the request
+        upstream_closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        served: Served = serve([f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"])
+        ro = await served.rollout()
+        host, port = served.url.removeprefix("http://").split(":")
+        body = orjson.dumps({"model": "m", "messages": ASK})
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /rollouts/%s/v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
+            b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (ro["rollout_id"].encode(), ro["token"].encode(), len(body), body)
+        )
+        await asyncio.wait_for(asked.wait(), 10)
+        writer.close()  # the agent leaves
+        await asyncio.wait_for(upstream_closed.wait(), 10)
+
+        async def recorded() -> bool:
+            return len((await served.view(ro["rollout_id"]))["model_calls"]) == 1
+
+        await wait_for(recorded)
+        [call] = await served.calls(ro["rollout_id"])
+        stats = await served.stats()
+        await served.admin.aclose()
+    finally:
+        server.close()
+    assert call.error is not None
+    assert call.error.kind is ErrorKind.HARNESS
+    assert "disconnected" in call.error.message
+    assert stats["in_flight"] == 0
+    assert stats["upstreams"][0]["in_flight"] == 0
+    assert stats["call_errors"] == 1
+
+
 # --- the hot path: raw ASGI dispatch, lazy records, background writes ---------------------------
 
 

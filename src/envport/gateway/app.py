@@ -102,7 +102,7 @@ from envport.gateway.errors import (
     UpstreamTimeoutError,
     openai_type,
 )
-from envport.gateway.front import SEND_NOWAIT
+from envport.gateway.front import CLIENT, SEND_NOWAIT
 from envport.gateway.http1 import Http1Pool, HTTPError
 from envport.gateway.http1 import Response as UpstreamResponse
 from envport.gateway.registry import Registration, RolloutRegistry
@@ -557,7 +557,8 @@ class Gateway:
             else:
                 rollout.errors.append(_harness_error(exc))
             return exc.response(api.dialect), None
-        return await self._forward(api, rollout, headers, raw, body, send, _nowait(scope, send))
+        nowait = _nowait(scope, send)
+        return await self._forward(api, rollout, headers, raw, body, send, nowait, scope, receive)
 
     async def _forward(
         self,
@@ -568,6 +569,8 @@ class Gateway:
         body: JSON,
         send: Send | None,
         nowait: SendNowait | None = None,
+        scope: Scope | None = None,
+        receive: Receive | None = None,
     ) -> tuple[ASGIApp, _Call | None]:
         try:
             chat_body = api.to_chat(body) if api.to_chat is not None else body
@@ -630,6 +633,9 @@ class Gateway:
                     relay.call = made
             return made
 
+        # A non-streamed call waits for upstream's whole answer: an agent leaving
+        # meanwhile cancels it (a stream hears it in its relay, _Relay.__call__).
+        watch = None if stream or scope is None else _AgentWatch(scope, receive)
         try:
             opened = await self.pool.send(
                 api.upstream_path,
@@ -644,15 +650,25 @@ class Gateway:
             call.record.attempts = [a.to_json() for a in failure.attempts]
             call.fail(failure.error)
             return failure.error.response(api.dialect), call
-        except BaseException:
+        except BaseException as exc:
             try:
                 call = the_call()
             except BaseException:  # a bug in making it: still free the call's slots
                 rollout.end()
                 self.gate.leave()
                 raise
+            if watch is not None and watch.left(exc):  # upstream's request is closed
+                call.record.error = TraceError(
+                    kind=ErrorKind.HARNESS,
+                    message="The agent disconnected before the answer came.",
+                    where="gateway",
+                )
+                return _nothing, call
             call.done()
             raise
+        finally:
+            if watch is not None:
+                watch.stop()
         call = the_call()
         call.opened = opened  # its endpoint and tries are noted on the record in done()
         if relay is not None and opened.status < 400:
@@ -763,6 +779,52 @@ def _upstream_status_error(status: int, content: bytes) -> tuple[GatewayError, b
     kind = fields.get("type")
     error.type = kind if isinstance(kind, str) and kind else openai_type(status)
     return error, isinstance(body, dict)
+
+
+class _AgentWatch:
+    """Hears the agent leave while its call's task waits (for upstream's answer), and
+    cancels that task. On envport's server the exchange's ``on_lost`` hook does it (no
+    task, no future, no coroutine per call: nothing happens unless the agent leaves);
+    on another server a :class:`_Listener` on ``receive()``."""
+
+    __slots__ = ("_client", "_heard", "_listener", "_task")
+
+    def __init__(self, scope: Scope, receive: Receive | None) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._heard = False
+        self._listener: _Listener | None = None
+        self._client = (scope.get("extensions") or {}).get(CLIENT)
+        if self._client is not None:
+            self._client.on_lost = self._lost
+        elif receive is not None:
+            self._listener = _Listener(receive, self._message)
+
+    def _lost(self) -> None:
+        self._heard = True
+        self._task.cancel()
+
+    def _message(self, message: Message) -> None:
+        if message["type"] == "http.disconnect":
+            self._lost()
+
+    def left(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the cancellation this watch made (then it is taken back)."""
+        if self._heard and isinstance(exc, asyncio.CancelledError):
+            self._task.uncancel()
+            return True
+        return False
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.on_lost = None
+        if self._listener is not None:
+            self._listener.stop()
+
+
+async def _nothing(scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to an agent that left: none."""
 
 
 class _Answer:

@@ -67,6 +67,11 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # The scope extension under which an app finds the exchange's synchronous send
 # (:meth:`_Exchange.send_nowait`); envport's gateway relays streams with it.
 SEND_NOWAIT = "envport.send_nowait"
+# The scope extension under which an app finds the exchange itself: it may set its
+# ``on_lost`` to a callable, called once (from the event loop's callback) if the client
+# leaves before the answer is complete, and read ``client_lost``. No task, no future: an
+# answer that needs no ``receive()`` hears a disconnect at no cost while none happens.
+CLIENT = "envport.client"
 _FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection"})  # ours to set
 
 
@@ -151,6 +156,7 @@ class _Exchange:
         "head_only",
         "keep_alive",
         "left",
+        "on_lost",
         "read",
         "started",
         "status",
@@ -170,7 +176,13 @@ class _Exchange:
         self.status = 0
         self.gone: asyncio.Future[None] | None = None
         self.task: asyncio.Task[None] | None = None  # what runs the app on it
+        self.on_lost: Callable[[], object] | None = None  # see CLIENT
         self.head = b""  # the response's head, until it goes out with the first body bytes
+
+    @property
+    def client_lost(self) -> bool:
+        """Whether the client has left (its connection is gone)."""
+        return self.conn.lost
 
     async def receive(self) -> Message:
         if not self.read:
@@ -327,8 +339,13 @@ class _Http11(asyncio.Protocol):
         server.connections.discard(self)
         if server.closing and not server.connections:
             server.all_closed.set()
-        if self.exchange is not None:
-            self.exchange.over()
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.over()
+            hook = exchange.on_lost
+            if hook is not None:
+                exchange.on_lost = None
+                hook()
         if self.resumed is not None and not self.resumed.done():
             self.resumed.set_result(None)
 
@@ -486,7 +503,7 @@ class _Http11(asyncio.Protocol):
         """
         exchange = _Exchange(self, body, keep_alive, scope["method"] == "HEAD")
         self.exchange = exchange
-        scope["extensions"] = {SEND_NOWAIT: exchange.send_nowait}
+        scope["extensions"] = {SEND_NOWAIT: exchange.send_nowait, CLIENT: exchange}
         call = self._run(scope, exchange)
         if asyncio.current_task(self.loop) is not None:
             # From a task (a pipelined request started when the answer before it
