@@ -1113,6 +1113,37 @@ async def test_a_finish_the_store_fails_is_a_503_and_a_retry_stores_the_trace(
     store.close()
 
 
+async def test_a_rollout_left_to_expire_is_finished_and_stored_with_an_error(
+    serve: Any, upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    store = SQLiteTraceStore(tmp_path / "traces.db")
+    served: Served = serve([upstream[0]], store=store)
+    ro = await served.rollout(task_id="t1", ttl_s=2.0)
+    kept = await served.rollout(task_id="t2")  # the default TTL: a day
+    async with served.client(ro) as client:
+        await client.chat.completions.create(model="m", messages=ASK)
+
+        async def expired() -> bool:
+            return (await served.stats())["rollouts_live"] == 1
+
+        await wait_for(expired)  # the orchestrator never finished it
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="m", messages=ASK)
+    [trace] = store.query(rollout_id=ro["rollout_id"])
+    assert trace.status is TraceStatus.FAILED
+    assert trace.stop_reason == "expired"
+    assert trace.reward is None
+    assert len(trace.model_calls) == 1
+    [error] = trace.errors
+    assert error.kind is ErrorKind.INFRASTRUCTURE
+    assert "expired" in error.message
+    assert (await served.view(ro["rollout_id"]))["state"] == "finished"
+    assert (await served.view(kept["rollout_id"]))["state"] == "live"
+    assert ro["rollout_id"] not in served.gw.tokens._by_rollout
+    await served.admin.aclose()
+    store.close()
+
+
 async def test_rollout_from_header_or_from_the_token(gw: Served) -> None:
     ro = await gw.rollout()
     base = f"{gw.url}/v1"

@@ -51,6 +51,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import (
@@ -117,7 +118,7 @@ from envport.gateway.upstream import (
     UpstreamPool,
 )
 from envport.gateway.writer import TraceWriter
-from envport.trace.model import ErrorKind, Trace, TraceError
+from envport.trace.model import ErrorKind, Trace, TraceError, TraceStatus
 from envport.trace.store import AsyncTraceStore, SQLiteTraceStore, TraceStore
 
 _log = logging.getLogger("envport.gateway")
@@ -244,6 +245,7 @@ class Gateway:
         public_url: str | None = None,
         policy_version: int | str | None = None,
         keep_finished: int = 1024,
+        expiry_check_s: float = 1.0,
     ) -> None:
         if isinstance(upstreams, UpstreamPool):
             self.pool = upstreams
@@ -273,6 +275,8 @@ class Gateway:
         self.finish_wait_s = finish_wait_s
         self.public_url = public_url
         self.keep_finished = keep_finished
+        self.expiry_check_s = expiry_check_s
+        self._next_expiry = math.inf  # the earliest expiry of a live rollout (time.time())
         self.rollouts: dict[str, Rollout] = {}
         # Finished rollouts (their ids answer 410). Their traces are kept here only when
         # there is no store; with one they are read back from it: thousands of traces
@@ -301,6 +305,7 @@ class Gateway:
                 )
             )
             self.rollouts[reg.rollout_id] = rollout
+            self._expires(reg.expires_at)
         return len(registrations)
 
     @property
@@ -355,6 +360,7 @@ class Gateway:
         token, grant = self.tokens.issue_agent(rollout_id, ttl)
         rollout = Rollout(rollout_id, info, grant.expires_at)
         self.rollouts[rollout_id] = rollout
+        self._expires(grant.expires_at)
         registration = None
         if self.registry is not None:
             digest = self.tokens.digest_of(rollout_id)
@@ -367,6 +373,54 @@ class Gateway:
                 info.model_dump_json(),
             )
         return RolloutGrant(rollout_id, token, grant.expires_at), registration
+
+    def _expires(self, at: float | None) -> None:
+        if at is not None and at < self._next_expiry:
+            self._next_expiry = at
+
+    async def expire_rollouts(self) -> int:
+        """Finish every live rollout whose agent token expired before the orchestrator
+        finished it (its agent can make no more calls); returns how many. Each trace is
+        stored as ``failed`` (stop reason ``expired``, no reward) with an
+        ``infrastructure`` error saying so, its calls kept. Checked every
+        ``expiry_check_s`` by the app's lifespan; costs nothing until one is due."""
+        now = time.time()
+        if now < self._next_expiry:
+            return 0
+        self.tokens.prune()
+        due: list[Rollout] = []
+        upcoming = math.inf
+        for rollout in self.rollouts.values():
+            at = rollout.expires_at
+            if at is None or rollout.state is not RolloutState.LIVE:
+                continue
+            if at <= now:
+                due.append(rollout)
+            elif at < upcoming:
+                upcoming = at
+        self._next_expiry = upcoming
+        for rollout in due:
+            expired = datetime.fromtimestamp(rollout.expires_at or now, UTC).isoformat()
+            rollout.errors.append(
+                TraceError(
+                    kind=ErrorKind.INFRASTRUCTURE,
+                    message=f"The rollout expired at {expired} (its agent token's TTL) "
+                    "before the orchestrator finished it; the gateway finished it.",
+                    where="gateway",
+                    type="RolloutExpired",
+                )
+            )
+        outcome = FinishRequest(status=TraceStatus.FAILED, stop_reason="expired")
+        async with asyncio.TaskGroup() as group:  # each waits for its calls in flight
+            for rollout in due:
+                group.create_task(self._finish_expired(rollout.rollout_id, outcome))
+        return len(due)
+
+    async def _finish_expired(self, rollout_id: str, outcome: FinishRequest) -> None:
+        try:
+            await self.finish_rollout(rollout_id, outcome)
+        except GatewayError as exc:  # not stored (kept: a finish stores it), or finished
+            _log.warning("expired rollout %s: %s", rollout_id, exc.message)
 
     def _drop_new(self, rollout_id: str) -> None:
         """Undo :meth:`_new_rollout` (its registration could not be written)."""
@@ -1724,7 +1778,12 @@ def create_gateway_app(gateway: Gateway) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
-            yield
+            async with asyncio.TaskGroup() as group:
+                expiry = group.create_task(_expire_rollouts(gateway))
+                try:
+                    yield
+                finally:
+                    expiry.cancel()
         finally:
             await gateway.aclose()
 
@@ -1736,6 +1795,17 @@ def create_gateway_app(gateway: Gateway) -> GatewayApp:
     )
     app.state.gateway = gateway
     return app
+
+
+async def _expire_rollouts(gateway: Gateway) -> None:
+    """Every ``expiry_check_s``: finish the rollouts that expired (the app's lifespan
+    owns this loop)."""
+    while True:
+        await asyncio.sleep(gateway.expiry_check_s)
+        try:
+            await gateway.expire_rollouts()
+        except Exception:
+            _log.exception("expiring rollouts failed")
 
 
 def _health(gateway: Gateway) -> Callable[[Request], Any]:
