@@ -13,9 +13,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anthropic
 import httpx
+import openai
+import orjson
 import pytest
 
+from envport.gateway.errors import GatewayError
 from envport.gateway.front import SEND_NOWAIT, serve_asgi
 from envport.serving import serve_in_thread
 
@@ -296,6 +300,57 @@ async def test_an_oversize_head_gets_431_however_it_comes() -> None:
         status, _, body = await asyncio.wait_for(read_response(reader), 5)
         assert (status, body) == (200, b"ok")
     assert calls == [b""]
+
+
+async def test_the_server_s_own_errors_on_model_paths_are_in_the_api_s_shape() -> None:
+    """An SDK reads the server's own refusals as any API error: OpenAI's shape on the
+    OpenAI paths, Anthropic's on /v1/messages, plain text elsewhere."""
+    async with running(echo, max_body=1000) as (port, _):
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/rollouts/r1/v1", api_key="k", max_retries=0
+        )
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x" * 2000}]
+            )
+        await client.close()
+        assert info.value.status_code == 413
+        error = info.value.response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "1000 bytes" in error["message"]
+
+        anthropic_client = anthropic.AsyncAnthropic(
+            base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0
+        )
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            await anthropic_client.messages.create(
+                model="m", max_tokens=5, messages=[{"role": "user", "content": "x" * 2000}]
+            )
+        await anthropic_client.close()
+        assert refused.value.status_code == 413
+        body = refused.value.response.json()
+        assert body["type"] == "error"
+        assert body["error"]["type"] == "request_too_large"
+
+        reader, writer = await connect(port)  # malformed, on a model path
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-length: x\r\n\r\n")
+        status, headers, raw = await read_response(reader)
+        assert status == 400
+        assert headers["content-type"] == "application/json"
+        assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
+
+        reader, writer = await connect(port)  # elsewhere: plain text
+        writer.write(b"POST /other HTTP/1.1\r\nhost: t\r\ncontent-length: 5000\r\n\r\n")
+        status, headers, raw = await read_response(reader)
+        assert status == 413
+        assert headers["content-type"].startswith("text/plain")
+
+
+def test_anthropic_error_types_for_422_and_408() -> None:
+    for status, kind in [(422, "invalid_request_error"), (408, "timeout_error")]:
+        error = GatewayError("m")
+        error.status = status
+        assert error.body("anthropic")["error"]["type"] == kind
 
 
 async def test_expect_100_continue_gets_the_interim_answer() -> None:

@@ -38,10 +38,13 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     409: "invalid_request_error",
     410: "invalid_request_error",
     413: "request_too_large",
+    422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     503: "overloaded_error",
     504: "timeout_error",
     529: "overloaded_error",
@@ -54,10 +57,12 @@ _OPENAI_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
 }
 
 

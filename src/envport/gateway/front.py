@@ -42,8 +42,10 @@ from http import HTTPStatus
 from typing import Any
 
 import httptools
+import orjson
 
 from envport.coro import resume, step_as
+from envport.gateway.errors import Dialect, GatewayError, openai_type
 
 _log = logging.getLogger("envport.gateway.front")
 
@@ -526,7 +528,7 @@ class _Http11(asyncio.Protocol):
             elif (not exchange.started or exchange.head) and not self.lost:
                 exchange.head = b""  # nothing went out yet: the answer can still be a 500
                 exchange.keep_alive = False
-                self._answer_plain(500, "Internal Server Error")
+                self._answer_plain(500, "Internal Server Error", scope["raw_path"])
             else:
                 self.transport.close()
             if not isinstance(exc, Exception):
@@ -535,7 +537,7 @@ class _Http11(asyncio.Protocol):
         if not exchange.complete and not self.lost:
             if not exchange.started:
                 _log.error("the app sent no response to %s %s", scope["method"], scope["path"])
-                self._answer_plain(500, "Internal Server Error")
+                self._answer_plain(500, "Internal Server Error", scope["raw_path"])
             else:  # an answer begun and never finished: the client must not wait for it
                 _log.error(
                     "the app left its response to %s %s unfinished", scope["method"], scope["path"]
@@ -578,13 +580,13 @@ class _Http11(asyncio.Protocol):
             return
         self._answer_plain(status, message)
 
-    def _answer_plain(self, status: int, message: str) -> None:
-        """A plain-text answer from the server itself; the connection closes after it."""
-        body = message.encode()
+    def _answer_plain(self, status: int, message: str, target: bytes | None = None) -> None:
+        """An answer from the server itself (to the request at ``target``, by default
+        the one being read); the connection closes after it."""
+        kind, body = _error_body(self.url if target is None else target, status, message)
         self.transport.write(
-            b"%s%scontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s"
-            % (_status_line(status), self.server.clock.date(), len(body), body)
+            b"%s%scontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (_status_line(status), self.server.clock.date(), kind, len(body), body)
         )
         self.transport.close()
 
@@ -622,6 +624,23 @@ class _Begun:
             await resume(self.call, self.pending)
         finally:
             self.call.close()  # if the task was cancelled before it began: close the app too
+
+
+def _error_body(target: bytes, status: int, message: str) -> tuple[bytes, bytes]:
+    """The content type and body of the server's own error answer: in the API's error
+    shape on a model API's path (``/v1/messages``: Anthropic's; another ``/v1/`` path:
+    OpenAI's), so an SDK reads it as any error; plain text elsewhere."""
+    path = target.split(b"?", 1)[0]
+    dialect: Dialect | None = None
+    if path.endswith(b"/v1/messages"):
+        dialect = "anthropic"
+    elif b"/v1/" in path:
+        dialect = "openai"
+    if dialect is None:
+        return b"text/plain; charset=utf-8", message.encode()
+    error = GatewayError(message)
+    error.status, error.type = status, openai_type(status)
+    return b"application/json", orjson.dumps(error.body(dialect))
 
 
 def _address(info: Any) -> tuple[str, int] | None:
