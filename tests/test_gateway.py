@@ -1113,6 +1113,30 @@ async def test_a_finish_the_store_fails_is_a_503_and_a_retry_stores_the_trace(
     store.close()
 
 
+async def test_a_trace_the_store_failed_to_take_is_stored_when_the_gateway_stops(
+    upstream: tuple[str, Any], tmp_path: Path
+) -> None:
+    """A finish answered 503 keeps its trace; if nobody finishes the rollout again, the
+    gateway's shutdown stores it (with that finish's outcome) rather than dropping it."""
+    store = _FlakyStore(tmp_path / "traces.db")
+    gateway = Gateway([upstream[0]], store=store, retry=FAST_RETRY)
+    with serve_in_thread(create_gateway_app(gateway), lean=True) as url:
+        served = Served(gateway, url)
+        ro = await served.rollout(task_id="t1")
+        rid = ro["rollout_id"]
+        async with served.client(ro) as client:
+            await client.chat.completions.create(model="m", messages=ASK)
+        r = await served.admin.post(f"/admin/rollouts/{rid}/finish", json={"reward": 0.5})
+        assert r.status_code == 503
+        assert store.query(rollout_id=rid) == []
+        store.failing = False  # the disk has room again, but no one finishes it
+        await served.admin.aclose()
+    [trace] = store.query(rollout_id=rid)
+    assert trace.reward == 0.5
+    assert len(trace.model_calls) == 1
+    store.close()
+
+
 async def test_a_rollout_left_to_expire_is_finished_and_stored_with_an_error(
     serve: Any, upstream: tuple[str, Any], tmp_path: Path
 ) -> None:

@@ -495,6 +495,24 @@ class Gateway:
         self.counters["rollouts_finished"] += 1
         return trace
 
+    async def _store_kept(self, rollout: Rollout) -> None:
+        """Store the trace a failed store left on ``rollout``, as its finish built it."""
+        assert self.writer is not None
+        assert rollout.unstored is not None
+        try:
+            await self.writer.put(rollout.unstored)
+        except Exception as exc:
+            _log.error(
+                "the trace of rollout %s could not be stored at shutdown either; lost: %r",
+                rollout.rollout_id,
+                exc,
+            )
+            return
+        rollout.unstored = None
+        rollout.state = RolloutState.FINISHED
+        self.rollouts.pop(rollout.rollout_id, None)
+        self.counters["rollouts_finished"] += 1
+
     def _unregister(self, traces: list[Trace]) -> None:
         """In the trace writer's thread, after ``traces`` were stored: their rollouts are
         no longer live, so a restarted gateway must not take them back."""
@@ -535,9 +553,14 @@ class Gateway:
         }
 
     async def aclose(self) -> None:
-        """Write the traces still queued, then close the upstream connections."""
+        """Store the traces a failed store left kept (one more try each: the gateway is
+        going, and they with it), write the traces still queued, then close the upstream
+        connections."""
         try:
             if self.writer is not None:
+                for rollout in list(self.rollouts.values()):
+                    if rollout.unstored is not None:
+                        await self._store_kept(rollout)
                 await self.writer.aclose()
         finally:
             if self.registry is not None:
