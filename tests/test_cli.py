@@ -118,6 +118,48 @@ def test_serve_help_shows_the_server_options() -> None:
         assert option in result.stdout
 
 
+SERVER_OPTIONS = {
+    "--max-sessions": "max_sessions",
+    "--max-queue": "max_queue",
+    "--queue-timeout": "queue_timeout_s",
+    "--call-timeout": "call_timeout_s",
+    "--idle-timeout": "idle_timeout_s",
+    "--resume-grace": "resume_grace_s",
+    "--max-frame-bytes": "max_frame_bytes",
+    "--stall-warn": "stall_warn_s",
+    "--stall-exit": "stall_exit_s",
+}
+
+
+def _help_defaults(text: str) -> dict[str, str]:
+    """Each option's ``[default: ...]`` in rich's help table, its wrapped lines joined."""
+    rows: dict[str, str] = {}
+    option = None
+    for line in text.splitlines():
+        if match := re.match(r"│\s+(--[\w-]+)", line):
+            option = match.group(1)
+            rows[option] = line
+        elif option is not None and line.startswith("│"):
+            rows[option] += line
+    defaults = {}
+    for name, row in rows.items():
+        flat = " ".join(row.replace("│", " ").split())
+        if match := re.search(r"\[default: ([^\]]+)\]", flat):
+            defaults[name] = match.group(1)
+    return defaults
+
+
+def test_serve_help_shows_server_config_defaults() -> None:
+    """Each server option's help shows ServerConfig's default (it showed none)."""
+    from envport.server import ServerConfig
+
+    result = envport_cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    shown = _help_defaults(result.stdout)
+    for option, field in SERVER_OPTIONS.items():
+        assert shown.get(option) == str(ServerConfig.model_fields[field].default), option
+
+
 def test_version() -> None:
     result = envport_cli("--version")
     assert result.returncode == 0

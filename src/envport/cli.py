@@ -22,11 +22,11 @@ from rich.table import Table
 
 from envport import __version__
 from envport.errors import EnvportError
+from envport.server.sessions import ServerConfig  # cheap: the web stack loads with a server
 from envport.tools import _TOOL_ATTR
 
 if TYPE_CHECKING:
     from envport.registry import EnvSpec
-    from envport.server.sessions import ServerConfig
 
 app = typer.Typer(
     name="envport",
@@ -109,50 +109,55 @@ def _root(
 # --- serve ----------------------------------------------------------------------------
 
 
+def _server_default(field: str) -> Any:
+    """``ServerConfig``'s default for ``field``: what ``serve --help`` shows and uses."""
+    return ServerConfig.model_fields[field].default
+
+
 @app.command()
 def serve(
     env: EnvArg,
     host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port to listen on.")] = 8000,
     max_sessions: Annotated[
-        int | None, typer.Option(help="Live sessions (environment instances) at once.")
-    ] = None,
+        int, typer.Option(help="Live sessions (environment instances) at once.")
+    ] = _server_default("max_sessions"),
     max_queue: Annotated[
-        int | None, typer.Option(help="Connections that may wait for a free session.")
-    ] = None,
+        int, typer.Option(help="Connections that may wait for a free session.")
+    ] = _server_default("max_queue"),
     queue_timeout: Annotated[
-        float | None, typer.Option(help="Seconds a queued connection waits for a session.")
-    ] = None,
+        float, typer.Option(help="Seconds a queued connection waits for a session.")
+    ] = _server_default("queue_timeout_s"),
     call_timeout: Annotated[
-        float | None,
+        float,
         typer.Option(help="Deadline in seconds of one environment call; 0 means none."),
-    ] = None,
+    ] = _server_default("call_timeout_s"),
     idle_timeout: Annotated[
-        float | None, typer.Option(help="Seconds before an unattached idle session is reaped.")
-    ] = None,
+        float, typer.Option(help="Seconds before an unattached idle session is reaped.")
+    ] = _server_default("idle_timeout_s"),
     resume_grace: Annotated[
-        float | None,
+        float,
         typer.Option(help="Seconds a dropped WebSocket may reconnect and resume its session."),
-    ] = None,
+    ] = _server_default("resume_grace_s"),
     max_frame_bytes: Annotated[
-        int | None, typer.Option(help="Largest WebSocket frame or HTTP body accepted.")
-    ] = None,
+        int, typer.Option(help="Largest WebSocket frame or HTTP body accepted, in bytes.")
+    ] = _server_default("max_frame_bytes"),
     stall_warn: Annotated[
-        float | None,
+        float,
         typer.Option(
             help="Log an event-loop stall (an async env method running blocking code) "
             "longer than this many seconds, with its stack; 0 turns the watchdog off."
         ),
-    ] = None,
+    ] = _server_default("stall_warn_s"),
     stall_exit: Annotated[
-        float | None,
+        float,
         typer.Option(
             help="Exit with status 70 when an environment call interrupted at its deadline "
             "for blocking the event loop still holds it this many seconds later, and with "
             "status 1 (faulthandler's stack dump) when C code holds the GIL so that no "
             "Python runs for this long (at least 5 s); 0: never."
         ),
-    ] = None,
+    ] = _server_default("stall_exit_s"),
     allow_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -167,7 +172,7 @@ def serve(
 ) -> None:
     """Serve ENV over WebSocket (/ws), HTTP and MCP (/mcp); OpenEnv clients can connect.
 
-    Options left out take the server's defaults.
+    The defaults shown are ServerConfig's.
     """
     _resolve_or_fail(env)
     config = _server_config(
@@ -192,10 +197,8 @@ def serve(
     run_server(env, host=host, port=port, config=config, log_level=log_level.value)
 
 
-def _server_config(**options: Any) -> "ServerConfig":
+def _server_config(**options: Any) -> ServerConfig:
     from pydantic import ValidationError
-
-    from envport.server.sessions import ServerConfig
 
     given = {k: v for k, v in options.items() if v is not None}
     for zero_is_none in ("call_timeout_s", "stall_warn_s", "stall_exit_s"):

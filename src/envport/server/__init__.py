@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from envport.server.app import create_app
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.session import EnvFactory
+
+if TYPE_CHECKING:
+    from envport.server.app import create_app
+
+
+def __getattr__(name: str) -> Any:
+    # create_app imports the web stack (starlette, uvicorn, MCP): only on first use, so
+    # that importing ServerConfig (``envport --help`` shows its defaults) stays cheap.
+    if name == "create_app":
+        from envport.server.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "WS_IMPLEMENTATIONS",
@@ -128,6 +141,8 @@ def serve(
 ) -> None:
     """Serve ``env`` until interrupted."""
     import uvicorn
+
+    from envport.server.app import create_app
 
     config = config or ServerConfig()
     app = create_app(env, config, host=host)
