@@ -274,6 +274,17 @@ def test_serve_rejects_bad_option_values_before_starting() -> None:
     assert "--max-sessions" in result.stderr
 
 
+def test_serve_refuses_an_origin_no_browser_sends_in_one_line() -> None:
+    """``--allow-origin localhost`` was accepted, and could never match."""
+    result = envport_cli("serve", "echo-v1", "--allow-origin", "localhost")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: invalid server option: --allow-origin: 'localhost' is not a web origin: use "
+        "scheme://host[:port], or scheme://host:* for any port (e.g. https://ui.example, "
+        "http://localhost:*)"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -13,6 +13,7 @@ import pytest
 from mcp.client.session import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from openenv.core.generic_client import GenericEnvClient
+from pydantic import ValidationError
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -106,6 +107,52 @@ def test_origin_matching() -> None:
     assert not origin_allowed("http://localhost:80.evil.example", allowed)
     assert not origin_allowed("null", allowed)
     assert not origin_allowed("https://a.example", [])
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "localhost",
+        "localhost:3000",
+        "https://ui.example/",
+        "https://ui.example/app",
+        "null",
+        "https://",
+        "http://localhost:",
+        "http://localhost:x",
+        "*",
+        "https://user@ui.example",
+    ],
+)
+def test_server_config_refuses_a_value_no_browser_origin_matches(value: str) -> None:
+    """Such a value was accepted and never matched: every browser request was refused."""
+    with pytest.raises(ValidationError) as refused:
+        ServerConfig(allowed_origins=["https://ok.example", value])
+    (error,) = refused.value.errors()
+    assert error["loc"] == ("allowed_origins",)
+    assert repr(value) in error["msg"]
+    assert "scheme://host[:port]" in error["msg"]
+
+
+def test_server_config_keeps_origins_as_browsers_send_them() -> None:
+    config = ServerConfig(
+        allowed_origins=[
+            "https://ui.example",
+            "http://localhost:*",
+            "HTTPS://UI.Example:443",
+            "http://127.0.0.1:80",
+            "http://[::1]:5173",
+            "chrome-extension://abcdef",
+        ]
+    )
+    assert config.allowed_origins == [
+        "https://ui.example",
+        "http://localhost:*",
+        "https://ui.example",
+        "http://127.0.0.1",
+        "http://[::1]:5173",
+        "chrome-extension://abcdef",
+    ]
 
 
 # --- JSON bodies ----------------------------------------------------------------------

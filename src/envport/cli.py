@@ -197,6 +197,10 @@ def serve(
     run_server(env, host=host, port=port, config=config, log_level=log_level.value)
 
 
+#: ServerConfig fields whose ``serve`` option is not the field's name, less any ``_s``.
+_SERVER_OPTION_NAMES = {"allowed_origins": "allow-origin"}
+
+
 def _server_config(**options: Any) -> ServerConfig:
     from pydantic import ValidationError
 
@@ -208,8 +212,10 @@ def _server_config(**options: Any) -> ServerConfig:
         return ServerConfig(**given)
     except ValidationError as exc:
         problems = "; ".join(
-            f"--{str(e['loc'][0]).removesuffix('_s').replace('_', '-')}: {e['msg']}"
+            f"--{_SERVER_OPTION_NAMES.get(field, field.removesuffix('_s').replace('_', '-'))}"
+            f": {e['msg'].removeprefix('Value error, ')}"
             for e in exc.errors(include_url=False)
+            for field in [str(e["loc"][0])]
         )
         _fail(f"invalid server option: {problems}")
 

@@ -14,6 +14,8 @@ import json
 import sys
 from typing import NoReturn
 
+from pydantic import ValidationError
+
 from envport.errors import ENV_ERROR_EXIT, EnvportError, env_error_line
 from envport.registry import import_from_cwd, resolve
 from envport.server import ServerConfig, create_app, uvicorn_config, ws_impl
@@ -56,7 +58,17 @@ def main() -> None:
         _report(exc)
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
-    config = ServerConfig(max_sessions=args.max_sessions, allowed_origins=args.allow_origin)
+    try:
+        config = ServerConfig(max_sessions=args.max_sessions, allowed_origins=args.allow_origin)
+    except ValidationError as exc:
+        options = {"max_sessions": "--max-sessions", "allowed_origins": "--allow-origin"}
+        parser.error(
+            "; ".join(
+                f"{options.get(str(e['loc'][0]), e['loc'][0])}: "
+                + e["msg"].removeprefix("Value error, ")
+                for e in exc.errors()
+            )
+        )
     try:
         app = create_app(
             factory, config, host=args.host

@@ -14,11 +14,12 @@ connection is never reaped, however long its environment takes.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import deque
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from envport.errors import (
     CapacityError,
@@ -27,6 +28,29 @@ from envport.errors import (
     SessionNotFoundError,
 )
 from envport.session import EnvFactory, Session
+
+#: A web origin as a browser sends it, or with ``*`` for any port (``origin_allowed``).
+_ORIGIN = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<host>\[[0-9a-f:.]+\]|[a-z0-9._-]+)"
+    r"(?::(?P<port>[0-9]{1,5}|\*))?",
+    re.IGNORECASE,
+)
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def web_origin(value: str) -> str:
+    """``value`` as a browser's ``Origin`` header spells it (scheme and host in lower
+    case, no default port), or ``ValueError`` naming the form when it cannot be one."""
+    match = _ORIGIN.fullmatch(value)
+    if match is None:
+        raise ValueError(
+            f"{value!r} is not a web origin: use scheme://host[:port], or scheme://host:* "
+            "for any port (e.g. https://ui.example, http://localhost:*)"
+        )
+    scheme, host, port = match["scheme"].lower(), match["host"].lower(), match["port"]
+    if port is None or port == _DEFAULT_PORTS.get(scheme):
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{port}"
 
 
 class ServerConfig(BaseModel):
@@ -44,7 +68,9 @@ class ServerConfig(BaseModel):
         default_factory=list,
         description="Web origins (scheme://host[:port], or scheme://host:* for any port) "
         "whose browser requests and WebSocket handshakes are accepted; a request with any "
-        "other Origin header is refused (403). Clients that are not browsers send none.",
+        "other Origin header is refused (403). Clients that are not browsers send none. "
+        "Stored as browsers send them: scheme and host in lower case, no default port; "
+        "any other value is refused.",
     )
     max_batch: int = Field(4096, ge=1, description="Most operations in one batch frame.")
     stall_warn_s: float | None = Field(
@@ -58,6 +84,12 @@ class ServerConfig(BaseModel):
         "thread has run for this long, at least 5 s (C code holding the GIL); None: never. "
         "Only a server on the main thread.",
     )
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _web_origins(cls, values: list[str]) -> list[str]:
+        # A value no browser sends ("localhost", a path, a trailing slash) never matches.
+        return [web_origin(value) for value in values]
 
 
 class SessionManager:
