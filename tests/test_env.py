@@ -163,6 +163,43 @@ async def test_a_wrapped_environment_describes_what_it_wraps() -> None:
             assert (await http.get("/metadata")).json()["name"] == "SyncCounter"
 
 
+class Undocumented(Env[Count, Total]):
+    action_type = Count
+    observation_type = Total
+
+
+class Documented(Env[Count, Total]):
+    """Counts.
+
+    More about counting.
+    """
+
+    action_type = Count
+    observation_type = Total
+
+
+async def test_an_env_without_a_docstring_is_not_described_by_env_s() -> None:
+    """Its own docstring or nothing: it was described by Env's ("Base class of every ...")
+    in /metadata, OpenAPI's info.description and ``envport envs``."""
+    import httpx
+
+    from envport.cli import _describe
+    from envport.registry import EnvSpec
+    from tests.support.servers import run_env_server
+
+    meta = Undocumented.metadata()
+    assert (meta.description, meta.readme_content) == ("", None)
+    assert _describe(EnvSpec("undocumented-v1", Undocumented))[0] == ""
+    with run_env_server(Undocumented, mcp=False) as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/metadata")).json()["description"] == ""
+            info = (await http.get("/openapi.json")).json()["info"]
+            assert "Base class" not in info["description"]
+    documented = Documented.metadata()
+    assert documented.description == "Counts."
+    assert documented.readme_content == "Counts.\n\nMore about counting."
+
+
 def test_registry_versions_paths_and_suggestions() -> None:
     envport.register("counter-v1", SyncCounter)
     envport.register("counter-v2", SyncCounter, fail_at=5)

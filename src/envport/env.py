@@ -297,7 +297,8 @@ class Env(Generic[ActT, ObsT]):
 
     @classmethod
     def metadata(cls) -> EnvMetadata:
-        doc = inspect.getdoc(cls) or ""
+        own = cls.__dict__.get("__doc__")  # not inherited: Env's own would describe it
+        doc = inspect.cleandoc(own) if isinstance(own, str) else ""
         lo, hi = cls.reward_range
         return EnvMetadata(
             name=cls.__name__,
