@@ -38,11 +38,20 @@ ModelOpt = Annotated[
     ),
 ]
 ModelNameOpt = Annotated[str, typer.Option(help="Model name sent upstream.")]
-ApiKeyOpt = Annotated[str | None, typer.Option(envvar="OPENAI_API_KEY")]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="OPENAI_API_KEY",
+        help="API key for --model, sent as Authorization: Bearer KEY (omitted: a placeholder).",
+        show_default=False,
+    ),
+]
 RolloutsOpt = Annotated[int, typer.Option("--rollouts", "-k", min=1, help="Per task.")]
-ConcurrencyOpt = Annotated[int, typer.Option("--concurrency", "-c", min=1)]
+ConcurrencyOpt = Annotated[
+    int, typer.Option("--concurrency", "-c", min=1, help="Rollouts in flight at once.")
+]
 LimitOpt = Annotated[int | None, typer.Option(min=1, help="Only the first N tasks.")]
-MaxTurnsOpt = Annotated[int, typer.Option(min=1)]
+MaxTurnsOpt = Annotated[int, typer.Option(min=1, help="Model calls per rollout, at most.")]
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -304,7 +313,10 @@ async def _run(
         await model.aclose()
 
 
-traces_app = typer.Typer(help="List, show and export stored traces.", no_args_is_help=True)
+traces_app = typer.Typer(
+    help="Stored traces: list them and their runs, show one, export and import them.",
+    no_args_is_help=True,
+)
 
 
 def _open(store: Path) -> Any:

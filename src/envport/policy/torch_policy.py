@@ -53,7 +53,7 @@ TINY_MODEL_NAME = "envport-tiny"
 
 
 class TinyConfig(BaseModel):
-    """Shape of a :class:`TinyTransformer`; the defaults build ~0.2M parameters."""
+    """Shape of a :class:`TinyTransformer`; the defaults build ~0.1M parameters (124,992)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
