@@ -837,6 +837,27 @@ def test_traces_export_to_a_missing_directory_fails_in_one_line(tmp_path: Path) 
     assert not (tmp_path / "nodir").exists()
 
 
+@pytest.mark.parametrize("command", [["export", "out.jsonl"], ["list"]])
+def test_traces_run_filter_naming_no_stored_run_warns(tmp_path: Path, command: list[str]) -> None:
+    """``--run`` with a typo quietly wrote "wrote 0 traces" (an empty table for list): it
+    now warns on stderr, naming the runs the store holds; the exit status stays 0."""
+    db = tmp_path / "s.db"
+    with SQLiteTraceStore(db) as store:
+        store.put(Trace(trace_id="t1", run_id="r1"))
+        store.put(Trace(trace_id="t2", run_id="r2"))
+    args = [*command, "--store", str(db)]
+    typo = envport_cli("traces", *args, "--run", "r3", cwd=tmp_path)
+    assert typo.returncode == 0, typo.stderr
+    assert typo.stderr.strip().splitlines() == [
+        f"warning: no traces of run 'r3' in {db}; runs there: r1, r2"
+    ]
+    if command[0] == "export":
+        assert "wrote 0 traces" in typo.stdout
+    known = envport_cli("traces", *args, "--run", "r1", cwd=tmp_path)
+    assert known.returncode == 0, known.stderr
+    assert known.stderr == ""
+
+
 def test_a_stored_trace_that_does_not_parse_is_a_one_line_error(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     with SQLiteTraceStore(db) as store:

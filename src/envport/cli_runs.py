@@ -333,6 +333,22 @@ def _open(store: Path) -> Any:
         _fail(str(exc))
 
 
+def _warn_if_no_traces(db: Any, run: str | None, store: Path) -> None:
+    """Warn on stderr when ``--run`` names a run with no traces in the store (a typo reads
+    as an empty result otherwise), naming the runs it holds; the exit status stays 0."""
+    if run is None or any(db.count_by_status(run_id=run).values()):
+        return
+    runs = [r.run_id for r in db.list_runs()]
+    shown = ", ".join(runs[-10:]) or "(none)"
+    if len(runs) > 10:
+        shown = f"{shown} and {len(runs) - 10} older (envport traces runs)"
+    err.print(
+        f"[yellow]warning:[/] no traces of run {escape(repr(run))} in {escape(str(store))}; "
+        f"runs there: {escape(shown)}",
+        soft_wrap=True,
+    )
+
+
 @contextmanager
 def _replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path`` (same suffix) that replaces it on success.
@@ -374,6 +390,7 @@ def traces_list(
             limit=limit,
             descending=True,
         )
+        _warn_if_no_traces(db, run, store)
     except (EnvportError, ValueError) as exc:  # an unknown --status, a trace that won't parse
         _fail(str(exc))
         return
@@ -453,6 +470,7 @@ def traces_export(
         _fail(f"Cannot export to {path}: use a .jsonl or .parquet path.")
     db = _open(store)
     try:
+        _warn_if_no_traces(db, run, store)
         with _replacing(path) as tmp:
             if fmt == "trace":
                 from envport.trace import export_traces
