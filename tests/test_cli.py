@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 import envport
+from envport.serving import free_port
 from tests.support.cli import pythonpath as support_pythonpath
 
 BIN = Path(sys.executable).parent
@@ -285,12 +285,6 @@ def test_serve_refuses_an_origin_no_browser_sends_in_one_line() -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_until_serving(proc: subprocess.Popen[str], base: str) -> None:
     """Return once the server ``proc`` answers ``base``/health (fail if it exits first)."""
     deadline = time.monotonic() + 30
@@ -315,7 +309,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_serve_runs_a_server_that_answers_health_and_resets() -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [
         str(ENVPORT),
         "serve",
@@ -349,7 +343,7 @@ SERVERS = {
 def test_serve_a_module_in_the_current_directory(tmp_path: Path, server: str) -> None:
     """`envport serve mymodule:Parrot` from the directory holding mymodule.py."""
     (tmp_path / "mymodule.py").write_text(PARROT_MODULE)
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [*SERVERS[server], "mymodule:Parrot", "--port", str(port), "--log-level", "warning"],
         stdout=subprocess.PIPE,

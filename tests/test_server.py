@@ -690,3 +690,17 @@ def test_uvicorn_config_refuses_an_unknown_ws_impl(
     ):
         monkeypatch.setenv("ENVPORT_WS_IMPL", name)
         assert uvicorn_config(app, host="127.0.0.1", port=0, config=config).ws is not None
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable() -> None:
+    """A port found free for a server to bind later is never one the kernel may hand to
+    an outgoing connection meanwhile (or to a connection to itself)."""
+    import socket
+
+    from envport.serving import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 < port < low for port in ports), (low, ports)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))

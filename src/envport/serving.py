@@ -8,6 +8,7 @@ The context manager owns the thread and joins it on exit; nothing is left runnin
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 import time
@@ -15,12 +16,42 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+#: Where :func:`free_port` looks: from here up to the kernel's ephemeral range.
+_PICK_FROM = 10000
+_pick = random.Random()  # its own: never the global generator an environment seeds
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections and ``bind(0)``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a guess, and the bind check still holds
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
+    """A port free on ``host`` now, for a server (a subprocess, say) to bind later.
+
+    Picked below the kernel's ephemeral range: ports in that range go to outgoing
+    connections at any moment, so one found free there can be taken before the server
+    binds it (even by a connection to that same port, which then connects to itself).
+    When the server can bind first and report its port, prefer that
+    (:func:`listening_socket`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    for _ in range(64 if low > _PICK_FROM + 1000 else 0):
+        port = _pick.randrange(_PICK_FROM, low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as sock:  # no room below: any port
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        found: int = sock.getsockname()[1]
+        return found
 
 
 def listening_socket(host: str = "127.0.0.1") -> socket.socket:
