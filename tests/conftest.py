@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.processes import openenv_echo_argv, server_process
+
+# openenv-core imports gradio (about 6 s of CPU, in every test process that imports
+# openenv) only for its web interface, and leaves that out when gradio cannot be
+# imported. No test uses it (tests/support/openenv_echo_server.py does the same).
+sys.modules.setdefault("gradio", None)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

@@ -49,15 +49,21 @@ How the pieces of ``openenv-core`` are used (checked against 0.3.0):
 from __future__ import annotations
 
 import argparse
+import sys
 import uuid
 from typing import Any
 
-from fastmcp import FastMCP
-from openenv.core.env_server.http_server import create_fastapi_app
-from openenv.core.env_server.mcp_environment import MCPEnvironment
-from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
-from openenv.core.env_server.types import Action, Observation, State
-from pydantic import Field
+# openenv-core imports gradio (about 6 s of CPU) only for its web interface, served
+# with ENABLE_WEB_INTERFACE alone, and leaves that out when gradio cannot be imported.
+# Nothing here serves it, so the server starts without gradio.
+sys.modules.setdefault("gradio", None)  # type: ignore[arg-type]
+
+from fastmcp import FastMCP  # noqa: E402
+from openenv.core.env_server.http_server import create_fastapi_app  # noqa: E402
+from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
+from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction  # noqa: E402
+from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
+from pydantic import Field  # noqa: E402
 
 RESET_MESSAGE = "Echo environment ready!"
 _MCP_ACTIONS: dict[str, type[Action]] = {
