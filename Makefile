@@ -61,10 +61,17 @@ demo: $(STAMP)
 # lower priority: the tests leave the cores idle much of the time while their servers
 # and subprocesses start, and take them back when they need them. mypy's report follows
 # the tests', and either failing fails the target.
+#
+# pytest runs the test files on PYTEST_WORKERS processes (pytest-xdist): one worker's
+# test waits on a server or subprocess while the other's runs. --dist loadfile keeps a
+# file's tests on one worker, so a module's servers (the Ray cluster, ...) start once and
+# the mini-swe-agent venv is installed by one process. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) $(TRAINERS_STAMP)
 	$(BIN)/ruff check src tests bench
 	nice -n 10 $(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
-	$(BIN)/pytest -q; tests=$$?; \
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile; tests=$$?; \
 	wait $$types; typed=$$?; cat $(VENV)/mypy.log; \
 	test $$tests = 0 && test $$typed = 0
 
