@@ -25,8 +25,8 @@ from envport.errors import (
     NoReplyError,
     ToolError,
 )
-from envport.server import ServerConfig
-from envport.serving import free_port
+from envport.server import ServerConfig, create_app
+from envport.serving import free_port, serve_in_thread
 from tests.support.faulty_envs import FaultyEnv
 from tests.support.servers import run_env_server
 
@@ -219,6 +219,45 @@ async def test_failed_resume_handshake_is_connection_lost(echo_url: str) -> None
         await transport.drop_connection()
         with pytest.raises(ConnectionLostError, match="Could not resume session on ws://"):
             await env.step({"message": "lost"})
+
+
+async def test_resume_refused_after_server_restart_is_session_lost_then_a_fresh_session() -> None:
+    """The server restarted (or the resume grace ran out): the resume ``hello`` gets
+    SESSION_NOT_FOUND. The request says the session is gone, the refused connection is
+    closed (none is leaked per call), and the next request opens a fresh session."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    config = ServerConfig()
+
+    def server() -> contextlib.AbstractContextManager[str]:
+        app = create_app("echo-v1", config, mcp=False, host="127.0.0.1")
+        return serve_in_thread(app, port=port, config=config)
+
+    env = EnvClient.connect(url)
+    transport = env.transport
+    assert isinstance(transport, WebSocketTransport)
+    with server():
+        await transport.open()
+        await env.reset()
+        await env.step({"message": "a"})
+        old_session = transport.session_id
+    with server():
+        for attempt in range(2):
+            if attempt:
+                await transport.drop_connection()
+                transport.token = "expired"  # as if the resume grace had run out
+            with pytest.raises(ConnectionLostError, match="session is gone"):
+                await env.step({"message": "b"})
+            assert transport._ws is None  # the refused connection was closed, not kept
+            assert not transport._resuming
+            with pytest.raises(EnvNotResetError):  # a fresh session: the episode is lost
+                await env.step({"message": "c"})
+            assert transport.session_id not in (None, old_session)
+        result = await env.reset()
+        assert result.observation["echoed_message"] == "Echo environment ready!"
+        assert (await env.step({"message": "d"})).observation["echoed_message"] == "d"
+        assert (await env.state())["step_count"] == 1
+        await env.close()
 
 
 class ScriptedServer:

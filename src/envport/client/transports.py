@@ -29,6 +29,7 @@ from envport.errors import (
     EnvportError,
     ErrorCode,
     NoReplyError,
+    ProtocolError,
     RemoteError,
     from_wire,
 )
@@ -126,6 +127,10 @@ class WebSocketTransport:
         return f"{self.url} on {self.unix_path}" if self.unix_path else self.url
 
     async def _connect(self) -> None:
+        # A new connection replaces the last one (a resume after a drop): never leak it.
+        # Replies owed on the old one will never come on this one.
+        self._abort()
+        self._unanswered = 0
         try:
             if self.unix_path is not None:
                 self._ws = await unix_connect(
@@ -223,7 +228,11 @@ class WebSocketTransport:
                 return await self._exchange(frame, limit)
             except ConnectionClosed as exc:
                 if not (self.extended and self.resume and self.token):
-                    raise ConnectionLostError(f"Connection to {self._where()} lost: {exc}") from exc
+                    self._abort()  # the session went with it: the next request opens anew
+                    raise ConnectionLostError(
+                        f"Connection to {self._where()} lost: {exc}; the session (and its "
+                        "episode) is gone: the next request opens a new one"
+                    ) from exc
                 if drops >= self.resume_attempts:
                     raise ConnectionLostError(
                         f"Connection to {self._where()} lost {drops + 1} times "
@@ -259,10 +268,30 @@ class WebSocketTransport:
             except BaseException:
                 self._abort()  # cancelled mid-hello: this connection's state is unknown
                 raise
-            raise_for_error(reply)
+            if reply.get("type") != "hello":
+                self._abort()  # this connection belongs to no session: never speak on it
+                self._session_lost_if(reply)
+                raise_for_error(reply)
+                raise ProtocolError(f"Expected a hello reply to resume, got {reply!r:.200}")
             self._resuming = False
             return
         raise ConnectionLostError(f"Could not resume session on {self._where()}: {last}")
+
+    def _session_lost_if(self, reply: dict[str, Any]) -> None:
+        """A resume refused because the session is gone (the server restarted, or the
+        resume grace ran out): forget it, so the next request opens a fresh session."""
+        data = reply.get("data")
+        code = data.get("code") if isinstance(data, dict) else None
+        if code not in (ErrorCode.SESSION_NOT_FOUND, ErrorCode.FORBIDDEN):
+            return
+        self._resuming = False
+        self.token = self.session_id = self.tools_token = None
+        message = data.get("message") if isinstance(data, dict) else None
+        raise ConnectionLostError(
+            f"Connection to {self._where()} lost and the session is gone ({code}: "
+            f"{message}): its episode is lost; the next request opens a new session "
+            "(reset() starts a new episode)."
+        )
 
     async def drop_connection(self) -> None:
         """Close the socket without closing the session (for tests and failover)."""
