@@ -23,6 +23,8 @@ from envport.errors import (
     ConnectionLostError,
     EnvNotResetError,
     NoReplyError,
+    PayloadTooLargeError,
+    ProtocolError,
     ToolError,
 )
 from envport.server import ServerConfig, create_app
@@ -148,6 +150,98 @@ async def test_late_reply_is_never_taken_for_the_next() -> None:
             assert state["step_count"] == 1
             result = await env.step({"message": "next"})
             assert result.observation["echoed_message"] == "next"
+
+
+async def test_an_id_less_error_owed_to_an_abandoned_request_is_not_taken_for_the_next() -> None:
+    """The server answers a frame too large to parse with an error without an id. When
+    that frame was abandoned (a client-side timeout), its error must not be taken for the
+    next request's reply: the server answers in order, so it is the abandoned one's."""
+    config = ServerConfig(call_timeout_s=10, max_frame_bytes=65536)
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, _):
+        async with EnvClient.connect(url) as env:
+            await env.reset()
+            transport = env.transport
+            assert isinstance(transport, WebSocketTransport)
+            transport.timeout_s = 0.3
+            with pytest.raises(NoReplyError):  # the server is busy for a second
+                await env.step({"message": "sleep:1.0"})
+            with pytest.raises(NoReplyError):  # queued behind it: abandoned too
+                await env.step({"message": "x" * 100_000})
+            transport.timeout_s = 10
+            result = await env.step({"message": "next"})  # not the big one's error
+            assert result.observation["echoed_message"] == "next"
+            # With nothing abandoned, an id-less error is this request's.
+            with pytest.raises(PayloadTooLargeError):
+                await env.step({"message": "x" * 100_000})
+            assert (await env.state())["step_count"] == 2
+
+
+class CannedTransport:
+    """A transport that answers every request with the next of ``replies``."""
+
+    def __init__(self, *replies: Any) -> None:
+        self.replies = list(replies)
+
+    async def open(self) -> None:
+        pass
+
+    async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        reply: dict[str, Any] = self.replies.pop(0)
+        return reply
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"type": "state", "data": {"step_count": 1}},
+        {"type": "pong", "data": {}},
+        {"type": "observation", "data": [1, 2]},
+        {"type": "observation", "data": {"observation": "not a dict"}},
+    ],
+    ids=["state", "pong", "list data", "bad observation"],
+)
+async def test_a_reply_of_the_wrong_type_or_shape_is_a_protocol_error(reply: Any) -> None:
+    env = EnvClient(CannedTransport(reply, reply))
+    with pytest.raises(ProtocolError):
+        await env.reset()
+    with pytest.raises(ProtocolError):
+        await env.step({"message": "x"})
+
+
+async def test_state_wants_a_state_reply() -> None:
+    env = EnvClient(CannedTransport({"type": "observation", "data": {}}, {"type": "state"}))
+    with pytest.raises(ProtocolError, match="'observation'"):
+        await env.state()
+    with pytest.raises(ProtocolError, match="not a JSON object"):
+        await env.state()
+
+
+async def test_an_id_less_frame_that_is_not_an_error_is_never_a_reply() -> None:
+    """An envport-protocol server's unsolicited frame without an id (here a ``pong``
+    sent before each reply) is skipped, not taken for the request's reply."""
+
+    async def handle(ws: ServerConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in ws:
+                frame = orjson.loads(raw)
+                if frame["type"] == "hello":
+                    info = {"session_id": "s1", "token": "t1"}
+                    await ws.send(orjson.dumps({"type": "hello", "id": frame["id"], "data": info}))
+                    continue
+                await ws.send(orjson.dumps({"type": "pong", "data": {}}))
+                data = {"observation": {"echoed_message": frame["data"]["message"]}}
+                reply = {"type": "observation", "id": frame["id"], "data": data}
+                await ws.send(orjson.dumps(reply))
+
+    async with serve(handle, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with EnvClient.connect(f"http://127.0.0.1:{port}") as env:
+            for message in ("a", "b"):
+                result = await env.step({"message": message})
+                assert result.observation["echoed_message"] == message
 
 
 async def test_many_concurrent_clients(echo_url: str) -> None:

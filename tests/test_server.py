@@ -130,6 +130,20 @@ async def test_malformed_json_keeps_session(echo_url: str) -> None:
         assert state["data"]["step_count"] == 1  # nothing lost
 
 
+async def test_a_frame_refused_after_it_parsed_echoes_its_id(echo_url: str) -> None:
+    """An unknown type or bad ``data`` is answered with the frame's id (a client that
+    matches replies by id must not mistake it for another request's)."""
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "hello", "id": 1})
+        err = await ask(ws, {"type": "bogus", "id": 42})
+        assert (err["type"], err["id"], err["data"]["code"]) == ("error", 42, "UNKNOWN_TYPE")
+        err = await ask(ws, {"type": "step", "id": 43, "data": "str"})
+        assert (err["type"], err["id"]) == ("error", 43)
+        err = await ask(ws, "{not json")  # no id to echo: none is made up
+        assert err["type"] == "error"
+        assert "id" not in err
+
+
 async def test_invalid_action_names_the_field(echo_url: str) -> None:
     async with connect(ws_url(echo_url)) as ws:
         await ask(ws, {"type": "reset"})

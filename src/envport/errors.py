@@ -175,6 +175,8 @@ class ProtocolError(EnvportError):
     """A frame or request that does not follow the protocol."""
 
     code = ErrorCode.UNKNOWN_TYPE
+    #: The ``id`` of the frame refused, when it parsed (its error reply echoes it).
+    frame_id: Any = None
 
 
 class InvalidJSONError(ProtocolError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envport.client.transports import (
     HTTPTransport,
@@ -26,7 +26,7 @@ from envport.client.transports import (
     WebSocketTransport,
     raise_for_error,
 )
-from envport.errors import EnvportError, ToolError
+from envport.errors import EnvportError, ProtocolError, ToolError
 from envport.types import tool_result_value
 
 if TYPE_CHECKING:
@@ -84,8 +84,25 @@ class EnvClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, frame: dict[str, Any]) -> dict[str, Any]:
-        return raise_for_error(await self.transport.request(frame))
+    async def _call(self, frame: dict[str, Any], expect: str) -> Any:
+        """Send ``frame``; the ``data`` of its ``expect`` reply (an error reply raises
+        its error, any other reply :class:`ProtocolError`)."""
+        reply = await self.transport.request(frame)
+        kind = reply.get("type")
+        if kind == expect:
+            return reply.get("data")
+        raise_for_error(reply)
+        raise ProtocolError(
+            f"The server answered a {frame['type']!r} frame with a {kind!r} frame, "
+            f"not {expect!r}: {str(reply)[:200]}"
+        )
+
+    @staticmethod
+    def _result(data: Any) -> ClientStepResult:
+        try:
+            return ClientStepResult.model_validate(data)
+        except ValidationError as exc:
+            raise ProtocolError(f"The server's observation is not a step result: {exc}") from None
 
     async def reset(
         self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
@@ -95,23 +112,23 @@ class EnvClient:
             data["seed"] = seed
         if episode_id is not None:
             data["episode_id"] = episode_id
-        reply = await self._call({"type": "reset", "data": data})
-        return ClientStepResult.model_validate(reply["data"])
+        return self._result(await self._call({"type": "reset", "data": data}, "observation"))
 
     async def step(self, action: dict[str, Any] | BaseModel) -> ClientStepResult:
         payload = action.model_dump(mode="json") if isinstance(action, BaseModel) else action
-        reply = await self._call({"type": "step", "data": payload})
-        return ClientStepResult.model_validate(reply["data"])
+        return self._result(await self._call({"type": "step", "data": payload}, "observation"))
 
     async def state(self) -> dict[str, Any]:
-        reply = await self._call({"type": "state"})
-        data: dict[str, Any] = reply["data"]
-        return data
+        return self._mapping(await self._call({"type": "state"}, "state"), "state")
 
     async def schema(self) -> dict[str, Any]:
         """JSON Schemas of action, observation and state, plus ``tools``; takes no step."""
-        reply = await self._call({"type": "schema"})
-        data: dict[str, Any] = reply["data"]
+        return self._mapping(await self._call({"type": "schema"}, "schema"), "schema")
+
+    @staticmethod
+    def _mapping(data: Any, kind: str) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"The server's {kind} is not a JSON object: {str(data)[:200]}")
         return data
 
     async def list_tools(self) -> list[dict[str, Any]]:

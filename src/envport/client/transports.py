@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -100,6 +101,8 @@ class WebSocketTransport:
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self._unanswered = 0  # plain protocol: replies still owed to abandoned requests
+        # envport's protocol: ids of abandoned requests still owed a reply, oldest first
+        self._abandoned: deque[Any] = deque()
         self._resuming = False  # a resume was started and has not finished
 
     async def open(self) -> None:
@@ -131,6 +134,7 @@ class WebSocketTransport:
         # Replies owed on the old one will never come on this one.
         self._abort()
         self._unanswered = 0
+        self._abandoned.clear()
         try:
             if self.unix_path is not None:
                 self._ws = await unix_connect(
@@ -180,9 +184,12 @@ class WebSocketTransport:
         transport's, for it).
 
         Replies that belong to earlier requests (which timed out or were cancelled on our
-        side) are never taken for this one: with envport's extensions they carry another
-        id; in OpenEnv's plain protocol, which has no ids, they come first, in order, and
-        ``_unanswered`` counts how many to skip.
+        side) are never taken for this one. With envport's extensions a reply carries its
+        request's id; a server answers in order, so a reply without one (an error for a
+        frame it could not parse) belongs to the oldest abandoned request still owed one
+        (``_abandoned``), or, when none is, to this one (an error only: any other frame
+        without an id is not a reply). In OpenEnv's plain protocol, which has no ids,
+        replies come in order and ``_unanswered`` counts how many to skip.
         """
         assert self._ws is not None
         want = frame.get("id")
@@ -199,11 +206,24 @@ class WebSocketTransport:
                             self._unanswered -= 1
                             continue
                         return reply
-                    if want is None or reply.get("id") in (want, None):
+                    rid = reply.get("id")
+                    if rid == want or want is None:
+                        if self._abandoned:
+                            self._abandoned.clear()  # answered in order: all before it were
                         return reply
+                    if rid is None:
+                        if self._abandoned:
+                            self._abandoned.popleft()  # the oldest abandoned one's reply
+                        elif reply.get("type") == "error":
+                            return reply
+                    elif rid in self._abandoned:
+                        while self._abandoned.popleft() != rid:
+                            pass  # answered in order: the ones before it were too
         except (asyncio.CancelledError, TimeoutError):
             if not self.extended:
                 self._unanswered += 1
+            elif want is not None:
+                self._abandoned.append(want)
             raise
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:

@@ -53,13 +53,22 @@ def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
         )
     kind = frame.get("type")
     if kind not in FRAME_TYPES:
-        raise ProtocolError(
+        raise _refused(
+            frame,
             f"Unknown message type: {kind!r}. Known: {', '.join(sorted(FRAME_TYPES))}.",
         )
     data = frame.get("data")
     if data is not None and not isinstance(data, dict | list):
-        raise ProtocolError(f"'data' of a {kind!r} frame must be an object.")
+        raise _refused(frame, f"'data' of a {kind!r} frame must be an object.")
     return frame
+
+
+def _refused(frame: dict[str, Any], message: str) -> ProtocolError:
+    """The error for a frame that parsed but is not the protocol; its reply carries the
+    frame's id, so a client matching replies by id takes it for that frame's."""
+    exc = ProtocolError(message)
+    exc.frame_id = frame.get("id")
+    return exc
 
 
 def error_frame(exc: Exception, frame_id: Any = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from envport.errors import CapacityError, EnvportError
+from envport.errors import CapacityError, EnvportError, ProtocolError
 from envport.protocol.codec import decode_frame, encode, error_frame
 from envport.server.dispatch import Connection, handle_frame
 from envport.server.fastws import FastWebSocket, fast_websocket
@@ -90,6 +90,8 @@ async def serve_connection(manager: SessionManager, channel: Channel | FastWebSo
         """Answer one frame; ``False`` when the connection is to end."""
         try:
             frame = decode_frame(raw, max_bytes)
+        except ProtocolError as exc:
+            reply = error_frame(exc, exc.frame_id)  # the id, when the frame parsed
         except EnvportError as exc:
             reply = error_frame(exc)
         else:
