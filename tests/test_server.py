@@ -144,6 +144,42 @@ async def test_a_frame_refused_after_it_parsed_echoes_its_id(echo_url: str) -> N
         assert "id" not in err
 
 
+@pytest.mark.parametrize("extended", [False, True], ids=["openenv", "envport"])
+async def test_a_type_that_is_not_a_string_is_an_unknown_type_and_the_session_stays(
+    echo_url: str, extended: bool
+) -> None:
+    async with connect(ws_url(echo_url)) as ws:
+        if extended:
+            await ask(ws, {"type": "hello", "id": 1})
+        await ask(ws, {"type": "reset", "id": 2})
+        await ask(ws, {"type": "step", "id": 3, "data": {"message": "a"}})
+        for bad in (["step"], {"step": 1}):
+            err = await ask(ws, {"type": bad, "id": 4})
+            assert err["type"] == "error"
+            assert err["data"]["code"] == "UNKNOWN_TYPE"
+            assert err["id"] == 4
+        assert (await ask(ws, {"type": "state", "id": 5}))["data"]["step_count"] == 1
+
+
+async def test_an_unexpected_error_decoding_a_frame_is_answered_and_logged(
+    echo_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from envport.server import ws as ws_module
+
+    def broken(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
+        raise RuntimeError("a bug in decoding")
+
+    async with connect(ws_url(echo_url)) as ws:
+        await ask(ws, {"type": "reset"})
+        with monkeypatch.context() as patch:
+            patch.setattr(ws_module, "decode_frame", broken)
+            err = await ask(ws, {"type": "state"})
+        assert err["type"] == "error"
+        assert "a bug in decoding" in err["data"]["message"]
+        assert "a bug in decoding" in caplog.text
+        assert (await ask(ws, {"type": "state"}))["type"] == "state"
+
+
 async def test_invalid_action_names_the_field(echo_url: str) -> None:
     async with connect(ws_url(echo_url)) as ws:
         await ask(ws, {"type": "reset"})

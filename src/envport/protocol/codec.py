@@ -52,7 +52,11 @@ def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
             f"A frame must be a JSON object, got {type(frame).__name__}.",
         )
     kind = frame.get("type")
-    if kind not in FRAME_TYPES:
+    try:
+        known = kind in FRAME_TYPES
+    except TypeError:  # a list or an object: unhashable, so no type either
+        known = False
+    if not known:
         raise _refused(
             frame,
             f"Unknown message type: {kind!r}. Known: {', '.join(sorted(FRAME_TYPES))}.",

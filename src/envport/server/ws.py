@@ -18,15 +18,18 @@ frame. Replies are text frames, as OpenEnv's server sends them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
-from envport.errors import CapacityError, EnvportError, ProtocolError
+from envport.errors import CapacityError, ProtocolError
 from envport.protocol.codec import decode_frame, encode, error_frame
 from envport.server.dispatch import Connection, handle_frame
 from envport.server.fastws import FastWebSocket, fast_websocket
 from envport.server.sessions import SessionManager
+
+_log = logging.getLogger("envport.server")
 
 
 class WebSocketEndpoint:
@@ -92,8 +95,9 @@ async def serve_connection(manager: SessionManager, channel: Channel | FastWebSo
             frame = decode_frame(raw, max_bytes)
         except ProtocolError as exc:
             reply = error_frame(exc, exc.frame_id)  # the id, when the frame parsed
-        except EnvportError as exc:
-            reply = error_frame(exc)
+        except Exception as exc:  # a bug in decoding: answer it, keep the connection
+            _log.exception("Decoding a WebSocket frame failed unexpectedly")
+            reply = error_frame(exc)  # EXECUTION_ERROR naming it
         else:
             reply = await handle_frame(conn, frame)
         await channel.send(encode(reply))
