@@ -163,6 +163,7 @@ async def test_an_id_less_error_owed_to_an_abandoned_request_is_not_taken_for_th
             transport = env.transport
             assert isinstance(transport, WebSocketTransport)
             transport.timeout_s = 0.3
+            transport.server_max_frame_bytes = None  # send what the server will refuse
             with pytest.raises(NoReplyError):  # the server is busy for a second
                 await env.step({"message": "sleep:1.0"})
             with pytest.raises(NoReplyError):  # queued behind it: abandoned too
@@ -174,6 +175,45 @@ async def test_an_id_less_error_owed_to_an_abandoned_request_is_not_taken_for_th
             with pytest.raises(PayloadTooLargeError):
                 await env.step({"message": "x" * 100_000})
             assert (await env.state())["step_count"] == 2
+
+
+async def test_frames_over_a_limit_are_payload_too_large_never_resent() -> None:
+    """A frame over the server's limit (its hello says it) is refused before it is sent;
+    one the server closes the connection for (1009), or a reply over this client's own
+    limit (it closes with 1009), is PayloadTooLargeError at once, not a dropped
+    connection resumed and resent; the next request resumes the session."""
+    config = ServerConfig(max_frame_bytes=65536)
+    with run_env_server("echo-v1", config, mcp=False) as (url, _):
+        # (a 30,000-character echo's reply is some 150 bytes over: too big for this side)
+        transport = WebSocketTransport(url, max_frame_bytes=30_100)
+        async with EnvClient(transport) as env:
+            await env.reset()
+            session = transport.session_id
+            assert transport.server_max_frame_bytes == 65536
+            resumes = 0
+            resume = transport._resume
+
+            async def counted() -> None:
+                nonlocal resumes
+                resumes += 1
+                await resume()
+
+            transport._resume = counted  # type: ignore[method-assign]
+            with pytest.raises(PayloadTooLargeError, match="not sent"):
+                await env.step({"message": "x" * 100_000})
+            assert resumes == 0
+            transport.server_max_frame_bytes = None  # as a client that does not know it
+            with pytest.raises(PayloadTooLargeError, match="too large for it"):  # 2x: 1009
+                await env.step({"message": "x" * 200_000})
+            assert resumes == 0
+            assert (await env.state())["step_count"] == 0  # resumed, same session
+            assert resumes == 1
+            with pytest.raises(PayloadTooLargeError, match="reply exceeded"):
+                await env.step({"message": "y" * 30_000})  # its echo is too big for us
+            assert resumes == 1
+            assert (await env.state())["step_count"] == 1  # the step took effect
+            assert resumes == 2
+            assert transport.session_id == session
 
 
 class CannedTransport:

@@ -23,6 +23,7 @@ import httpx
 import orjson
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.frames import CloseCode
 
 from envport.deadlines import declared_timeout, extended, frame_timeout
 from envport.errors import (
@@ -30,6 +31,7 @@ from envport.errors import (
     EnvportError,
     ErrorCode,
     NoReplyError,
+    PayloadTooLargeError,
     ProtocolError,
     RemoteError,
     from_wire,
@@ -73,6 +75,14 @@ def raise_for_error(reply: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+def _too_big(exc: ConnectionClosed) -> bool:
+    """Closed with 1009 (message too big), by the server or by this side."""
+    return any(
+        close is not None and close.code == CloseCode.MESSAGE_TOO_BIG
+        for close in (exc.rcvd, exc.sent)
+    )
+
+
 class WebSocketTransport:
     """OpenEnv's WebSocket protocol, with envport's extensions when the server has them."""
 
@@ -104,6 +114,8 @@ class WebSocketTransport:
         # envport's protocol: ids of abandoned requests still owed a reply, oldest first
         self._abandoned: deque[Any] = deque()
         self._resuming = False  # a resume was started and has not finished
+        #: The server's frame limit (its hello says it): a larger frame is refused here.
+        self.server_max_frame_bytes: int | None = None
 
     async def open(self) -> None:
         await self._connect()
@@ -124,7 +136,12 @@ class WebSocketTransport:
             self.session_id = reply["data"]["session_id"]
             self.token = reply["data"]["token"]
             self.tools_token = reply["data"].get("tools_token")
+            self._server_limit(reply)
         # An OpenEnv server answers UNKNOWN_TYPE and keeps the connection: plain mode.
+
+    def _server_limit(self, hello: dict[str, Any]) -> None:
+        limit = hello["data"].get("max_frame_bytes")
+        self.server_max_frame_bytes = limit if isinstance(limit, int) and limit > 0 else None
 
     def _where(self) -> str:
         return f"{self.url} on {self.unix_path}" if self.unix_path else self.url
@@ -193,8 +210,15 @@ class WebSocketTransport:
         """
         assert self._ws is not None
         want = frame.get("id")
+        payload = orjson.dumps(frame)
+        if self.server_max_frame_bytes is not None and len(payload) > self.server_max_frame_bytes:
+            raise PayloadTooLargeError(
+                f"Frame of {len(payload)} bytes exceeds the server's limit of "
+                f"{self.server_max_frame_bytes} bytes; not sent.",
+                limit_bytes=self.server_max_frame_bytes,
+            )
         try:
-            await self._ws.send(orjson.dumps(frame).decode())
+            await self._ws.send(payload.decode())
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
             # cancellation that lands just as the reply arrives, and the caller then
             # keeps reading (or waits timeout_s for a reply that never comes).
@@ -247,6 +271,8 @@ class WebSocketTransport:
             try:
                 return await self._exchange(frame, limit)
             except ConnectionClosed as exc:
+                if _too_big(exc):
+                    raise self._too_big_error(exc) from exc
                 if not (self.extended and self.resume and self.token):
                     self._abort()  # the session went with it: the next request opens anew
                     raise ConnectionLostError(
@@ -261,6 +287,27 @@ class WebSocketTransport:
                 drops += 1
                 await self._resume()
                 # Resent with the same id: the server answers it exactly once.
+
+    def _too_big_error(self, exc: ConnectionClosed) -> PayloadTooLargeError:
+        """The connection closed with 1009: a frame over a limit. Resending it would only
+        close the next connection too; the session is resumed on the next request."""
+        self._abort()
+        if self.extended and self.resume and self.token:
+            self._resuming = True
+        sent, rcvd = exc.sent, exc.rcvd
+        if (
+            sent is not None
+            and sent.code == CloseCode.MESSAGE_TOO_BIG
+            and (rcvd is None or not exc.rcvd_then_sent)  # this side closed first
+        ):
+            return PayloadTooLargeError(
+                f"The reply exceeded this client's limit of {self.max_frame_bytes} bytes "
+                "(max_frame_bytes); the request may have taken effect.",
+                limit_bytes=self.max_frame_bytes,
+            )
+        return PayloadTooLargeError(
+            f"{self._where()} closed the connection: the frame was too large for it ({exc})."
+        )
 
     async def _resume(self) -> None:
         """Reconnect and reattach to the session; if interrupted, the next request retries."""
@@ -293,6 +340,7 @@ class WebSocketTransport:
                 self._session_lost_if(reply)
                 raise_for_error(reply)
                 raise ProtocolError(f"Expected a hello reply to resume, got {reply!r:.200}")
+            self._server_limit(reply)
             self._resuming = False
             return
         raise ConnectionLostError(f"Could not resume session on {self._where()}: {last}")
