@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -214,6 +216,52 @@ async def test_frames_over_a_limit_are_payload_too_large_never_resent() -> None:
             assert (await env.state())["step_count"] == 1  # the step took effect
             assert resumes == 2
             assert transport.session_id == session
+
+
+@asynccontextmanager
+async def server_that_stops_reading() -> AsyncIterator[str]:
+    """A WebSocket server (raw socket) that answers ``hello`` as OpenEnv does, then never
+    reads again: a large frame sent to it waits for the socket buffers forever."""
+    guid = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        key = re.search(r"(?i)sec-websocket-key: *(\S+)", head)
+        assert key is not None
+        accept = base64.b64encode(hashlib.sha1((key[1] + guid).encode()).digest()).decode()
+        writer.write(
+            "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n".encode()
+        )
+        b0, b1 = await reader.readexactly(2)  # the hello: a small masked text frame
+        await reader.readexactly(4 + (b1 & 0x7F))
+        error = orjson.dumps({"type": "error", "data": {"message": "?", "code": "UNKNOWN_TYPE"}})
+        writer.write(bytes((0x81, len(error))) + error)
+        await asyncio.Event().wait()  # and never read again
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for writer in writers:
+                writer.transport.abort()
+
+
+async def test_the_call_limit_covers_sending_to_a_server_that_stopped_reading() -> None:
+    async with server_that_stops_reading() as url:
+        transport = WebSocketTransport(url, timeout_s=1)
+        env = EnvClient(transport)
+        await transport.open()
+        assert not transport.extended
+        call = env.step({"message": "x" * 32 * 2**20})  # more than the socket buffers hold
+        with pytest.raises(NoReplyError, match="could not be sent within 1 s"):
+            await asyncio.wait_for(call, 60)  # (a bound for the test; it hung for good)
+        assert transport._ws is None  # a frame cut off mid-send: the connection is dropped
+        await env.close()
 
 
 class CannedTransport:

@@ -75,6 +75,10 @@ def raise_for_error(reply: dict[str, Any]) -> dict[str, Any]:
     return reply
 
 
+class _SendTimeoutError(TimeoutError):
+    """The call's time ran out while its frame was still being sent."""
+
+
 def _too_big(exc: ConnectionClosed) -> bool:
     """Closed with 1009 (message too big), by the server or by this side."""
     return any(
@@ -217,12 +221,15 @@ class WebSocketTransport:
                 f"{self.server_max_frame_bytes} bytes; not sent.",
                 limit_bytes=self.server_max_frame_bytes,
             )
+        sent = False
         try:
-            await self._ws.send(payload.decode())
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a
             # cancellation that lands just as the reply arrives, and the caller then
             # keeps reading (or waits timeout_s for a reply that never comes).
             async with asyncio.timeout(timeout_s or self.timeout_s):
+                # The send counts too: it waits while the server does not read.
+                await self._ws.send(payload.decode())
+                sent = True
                 while True:
                     reply: dict[str, Any] = orjson.loads(await self._ws.recv())
                     if not self.extended:
@@ -243,7 +250,14 @@ class WebSocketTransport:
                     elif rid in self._abandoned:
                         while self._abandoned.popleft() != rid:
                             pass  # answered in order: the ones before it were too
-        except (asyncio.CancelledError, TimeoutError):
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            if not sent and isinstance(exc, TimeoutError):
+                # The frame is cut off mid-send: nothing more can be said on this
+                # connection. Drop it (the next request resumes a resumable session).
+                self._abort()
+                if self.extended and self.resume and self.token:
+                    self._resuming = True
+                raise _SendTimeoutError from None
             if not self.extended:
                 self._unanswered += 1
             elif want is not None:
@@ -262,6 +276,11 @@ class WebSocketTransport:
             limit = extended(self.timeout_s, frame_timeout(frame)) or self.timeout_s
             try:
                 return await self._exchange_resuming(frame, limit)
+            except _SendTimeoutError:
+                raise NoReplyError(
+                    f"The request could not be sent within {limit:g} s (the server is not "
+                    "reading); the connection was dropped"
+                ) from None
             except TimeoutError:
                 raise NoReplyError(f"No reply within {limit:g} s") from None
 
