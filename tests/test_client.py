@@ -235,7 +235,7 @@ async def server_that_stops_reading() -> AsyncIterator[str]:
             "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
             f"Connection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n".encode()
         )
-        b0, b1 = await reader.readexactly(2)  # the hello: a small masked text frame
+        _, b1 = await reader.readexactly(2)  # the hello: a small masked text frame
         await reader.readexactly(4 + (b1 & 0x7F))
         error = orjson.dumps({"type": "error", "data": {"message": "?", "code": "UNKNOWN_TYPE"}})
         writer.write(bytes((0x81, len(error))) + error)
