@@ -7,6 +7,7 @@ import base64
 import contextlib
 import hashlib
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -262,6 +263,36 @@ async def test_the_call_limit_covers_sending_to_a_server_that_stopped_reading() 
             await asyncio.wait_for(call, 60)  # (a bound for the test; it hung for good)
         assert transport._ws is None  # a frame cut off mid-send: the connection is dropped
         await env.close()
+
+
+async def test_close_while_a_call_is_in_flight_raises_nothing_and_ends_the_call() -> None:
+    with run_env_server(FaultyEnv, mcp=False) as (url, _):
+        env = EnvClient.connect(url)
+        await env.__aenter__()
+        await env.reset()
+        call = asyncio.create_task(env.step({"message": "sleep:1.0"}))
+        for _ in range(1000):  # until the step is under way
+            if env.transport._lock.locked():  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.01)
+        await env.close()  # never websockets' "concurrent recv" RuntimeError
+        with pytest.raises(ConnectionLostError, match="closed"):
+            await asyncio.wait_for(call, 10)
+        assert env.transport._ws is None  # type: ignore[attr-defined]
+
+
+def test_sync_close_ends_its_thread_even_if_close_raises() -> None:
+    class FailingClose(CannedTransport):
+        async def close(self) -> None:
+            raise RuntimeError("close failed")
+
+    before = threading.active_count()
+    client = EnvClient(FailingClose()).sync()
+    client.open()
+    assert threading.active_count() == before + 1
+    with pytest.raises(RuntimeError, match="close failed"):
+        client.close()
+    assert threading.active_count() == before
 
 
 class CannedTransport:

@@ -58,7 +58,9 @@ class SyncEnvClient:
         return self._run(self._client.call_tool, name, arguments)
 
     def close(self) -> None:
-        if self._portal is not None:
-            self._portal.call(self._client.close)
+        try:
+            if self._portal is not None:
+                self._portal.call(self._client.close)
+        finally:  # the portal's thread ends whatever close() raised
             self._portal = None
-        self._stack.close()
+            self._stack.close()

@@ -14,6 +14,7 @@ Three ship with envport:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import Mapping
@@ -118,10 +119,12 @@ class WebSocketTransport:
         # envport's protocol: ids of abandoned requests still owed a reply, oldest first
         self._abandoned: deque[Any] = deque()
         self._resuming = False  # a resume was started and has not finished
+        self._closed = False  # close() was called (a call in flight must not resume)
         #: The server's frame limit (its hello says it): a larger frame is refused here.
         self.server_max_frame_bytes: int | None = None
 
     async def open(self) -> None:
+        self._closed = False
         await self._connect()
         try:
             reply = await self._exchange({"type": "hello", "id": next(self._ids), "data": {}})
@@ -290,6 +293,10 @@ class WebSocketTransport:
             try:
                 return await self._exchange(frame, limit)
             except ConnectionClosed as exc:
+                if self._closed:
+                    raise ConnectionLostError(
+                        f"The client was closed while this request to {self._where()} ran"
+                    ) from exc
                 if _too_big(exc):
                     raise self._too_big_error(exc) from exc
                 if not (self.extended and self.resume and self.token):
@@ -334,6 +341,8 @@ class WebSocketTransport:
         delay = 0.05
         last: Exception | None = None
         for _ in range(self.resume_attempts):
+            if self._closed:
+                raise ConnectionLostError(f"The client was closed; no resume on {self._where()}")
             try:
                 await self._connect()
             except ConnectionLostError as exc:
@@ -360,6 +369,9 @@ class WebSocketTransport:
                 raise_for_error(reply)
                 raise ProtocolError(f"Expected a hello reply to resume, got {reply!r:.200}")
             self._server_limit(reply)
+            if self._closed:  # close() ran meanwhile: it found no connection to end
+                await self.close()
+                raise ConnectionLostError(f"The client was closed; no resume on {self._where()}")
             self._resuming = False
             return
         raise ConnectionLostError(f"Could not resume session on {self._where()}: {last}")
@@ -386,18 +398,50 @@ class WebSocketTransport:
             await self._ws.close()
 
     async def close(self) -> None:
-        if self._ws is None:
+        """End the session (OpenEnv's ``close`` frame) and the connection.
+
+        Raises nothing but a cancellation. A call still in flight on another task is not
+        waited for: it ends with :class:`ConnectionLostError` (its replies are read by
+        it alone, never by two readers at once)."""
+        self._closed = True
+        self._resuming = False
+        self.tools_token = None
+        ws = self._ws
+        if ws is None:
             return
+        owner = not self._lock.locked()  # no call in flight: read the "closed" reply
+        if owner:
+            await self._lock.acquire()  # free: taken without waiting
         try:
-            await self._ws.send(orjson.dumps({"type": "close"}).decode())
-            async with asyncio.timeout(2.0):
-                await self._ws.recv()
-        except (ConnectionClosed, TimeoutError, OSError):
-            pass
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    await ws.send(orjson.dumps({"type": "close"}).decode())
+                    # Replies still owed to abandoned requests may come first. With a
+                    # call in flight the server marks the session closing when it reads
+                    # the frame; the call's task reads the replies.
+                    while owner and _reply_type(await ws.recv()) != "closed":
+                        pass
         finally:
-            await self._ws.close()
-            self._ws = None
-            self.tools_token = None
+            try:
+                async with asyncio.timeout(2.0):
+                    await ws.close()
+            except asyncio.CancelledError:
+                ws.transport.abort()
+                raise
+            except Exception:  # no closing handshake in time, or a broken connection
+                ws.transport.abort()
+            finally:
+                if self._ws is ws:
+                    self._ws = None
+                if owner:
+                    self._lock.release()
+
+
+def _reply_type(raw: str | bytes) -> Any:
+    try:
+        return orjson.loads(raw).get("type")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
 
 
 class HTTPTransport:
