@@ -180,6 +180,30 @@ async def test_an_unexpected_error_decoding_a_frame_is_answered_and_logged(
         assert (await ask(ws, {"type": "state"}))["type"] == "state"
 
 
+@pytest.mark.parametrize("impl", ["envport", "websockets-sansio"])
+async def test_a_close_frame_sent_while_a_step_runs_ends_the_session(
+    impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gives up on a slow step, sends ``close`` and hangs up before the server
+    read it: the session is closed when the step ends, not kept for a resume (holding a
+    capacity slot for the resume grace)."""
+    monkeypatch.setenv("ENVPORT_WS_IMPL", impl)
+    config = ServerConfig(resume_grace_s=60)
+    with run_env_server(FaultyEnv, config, mcp=False) as (url, app):
+        manager = app.state.manager
+        async with connect(ws_url(url)) as ws:
+            await ask(ws, {"type": "hello", "id": 1})
+            await ask(ws, {"type": "reset", "id": 2})
+            await ws.send(json.dumps({"type": "step", "id": 3, "data": {"message": "sleep:0.5"}}))
+            await ws.send(json.dumps({"type": "close"}))
+        assert manager.sessions  # the step still runs
+        for _ in range(500):
+            if not manager.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert not manager.sessions
+
+
 async def test_invalid_action_names_the_field(echo_url: str) -> None:
     async with connect(ws_url(echo_url)) as ws:
         await ask(ws, {"type": "reset"})

@@ -409,7 +409,7 @@ class WebSocketTransport:
         ws = self._ws
         if ws is None:
             return
-        owner = not self._lock.locked()  # no call in flight: read the "closed" reply
+        owner = not self._lock.locked()  # no call in flight: this task may read
         if owner:
             await self._lock.acquire()  # free: taken without waiting
         try:
@@ -419,8 +419,11 @@ class WebSocketTransport:
                     # Replies still owed to abandoned requests may come first. With a
                     # call in flight the server marks the session closing when it reads
                     # the frame; the call's task reads the replies.
-                    while owner and _reply_type(await ws.recv()) != "closed":
-                        pass
+                    # With replies still owed (the server is busy with a request given
+                    # up on), "closed" comes after them: it is not waited for.
+                    if owner and not (self._abandoned or self._unanswered):
+                        while _reply_type(await ws.recv()) != "closed":
+                            pass
         finally:
             try:
                 async with asyncio.timeout(2.0):

@@ -143,6 +143,12 @@ class FastWebSocket:
             self._on_message = None
             self._task = None
 
+    def unread(self) -> list[str | bytes]:
+        """Take the messages received but not answered (the connection ended first)."""
+        messages = list(self._messages)
+        self._messages.clear()
+        return messages
+
     async def send(self, payload: bytes) -> None:
         """Send ``payload`` (UTF-8 JSON) as one text frame; waits while the peer is slow."""
         protocol = self._protocol

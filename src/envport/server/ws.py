@@ -18,9 +18,11 @@ frame. Replies are text frames, as OpenEnv's server sends them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Protocol
 
+import orjson
 from starlette.types import Receive, Scope, Send
 
 from envport.errors import CapacityError, ProtocolError
@@ -121,9 +123,33 @@ async def serve_connection(manager: SessionManager, channel: Channel | FastWebSo
             while (raw := await channel.receive()) is not None and await answer(raw):
                 pass
     except OSError:  # the peer vanished while we were sending (uvicorn: ClientDisconnected)
-        pass
+        # A ``close`` frame it sent while an earlier frame still ran (a client that gave
+        # up waiting for that one, then closed) may wait unread: the client ended the
+        # session, so it is closed, not kept for a resume that never comes.
+        if conn.extended and not conn.closing:
+            conn.closing = any(_is_close(raw) for raw in await _unread(channel))
     finally:
         await conn.release(keep_for_resume=conn.extended and not conn.closing)
+
+
+async def _unread(channel: Channel | FastWebSocket) -> list[str | bytes]:
+    """The frames a vanished peer sent that were not answered."""
+    if isinstance(channel, FastWebSocket):
+        return channel.unread()
+    unread: list[str | bytes] = []
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):  # the ASGI server's queue, then its disconnect
+            while (raw := await channel.receive()) is not None:
+                unread.append(raw)
+    return unread
+
+
+def _is_close(raw: str | bytes) -> bool:
+    try:
+        frame = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(frame, dict) and frame.get("type") == "close"
 
 
 websocket_endpoint = WebSocketEndpoint()
