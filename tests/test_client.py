@@ -295,6 +295,46 @@ def test_sync_close_ends_its_thread_even_if_close_raises() -> None:
     assert threading.active_count() == before
 
 
+@pytest.mark.parametrize("extended", [True, False], ids=["envport", "openenv"])
+async def test_a_malformed_server_frame_is_a_protocol_error_and_the_client_goes_on(
+    extended: bool,
+) -> None:
+    """A reply that is not JSON, or not an object, raises ProtocolError (never orjson's or
+    an AttributeError); the next request is answered as usual."""
+
+    async def handle(ws: ServerConnection) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for raw in ws:
+                frame = orjson.loads(raw)
+                if frame["type"] == "hello":
+                    if extended:
+                        info = {"session_id": "s1", "token": "t1"}
+                        reply = {"type": "hello", "id": frame["id"], "data": info}
+                    else:
+                        reply = {"type": "error", "data": {"message": "?", "code": "UNKNOWN_TYPE"}}
+                    await ws.send(orjson.dumps(reply).decode())
+                    continue
+                message = frame["data"]["message"]
+                if message in ("not json{", "[1, 2]", '"text"'):
+                    await ws.send(message)
+                    continue
+                data = {"observation": {"echoed_message": message}}
+                await ws.send(orjson.dumps({"type": "observation", "id": frame.get("id"), "data": data}))
+
+    async with serve(handle, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        async with EnvClient.connect(f"http://127.0.0.1:{port}") as env:
+            assert env.transport.extended is extended  # type: ignore[attr-defined]
+            for bad in ("not json{", "[1, 2]", '"text"'):
+                with pytest.raises(ProtocolError, match="not a JSON object"):
+                    await env.step({"message": bad})
+                assert (await env.step({"message": "ok"})).observation["echoed_message"] == "ok"
+            with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
+                await env.step({"message": "x", "n": 2**70})  # (orjson: 64-bit integers)
+            with pytest.raises(ProtocolError, match="cannot be sent as JSON"):
+                await env.step({"message": "x", "s": {1, 2}})
+
+
 class CannedTransport:
     """A transport that answers every request with the next of ``replies``."""
 

@@ -217,7 +217,10 @@ class WebSocketTransport:
         """
         assert self._ws is not None
         want = frame.get("id")
-        payload = orjson.dumps(frame)
+        try:
+            payload = orjson.dumps(frame)
+        except orjson.JSONEncodeError as exc:
+            raise ProtocolError(f"The request cannot be sent as JSON: {exc}.") from None
         if self.server_max_frame_bytes is not None and len(payload) > self.server_max_frame_bytes:
             raise PayloadTooLargeError(
                 f"Frame of {len(payload)} bytes exceeds the server's limit of "
@@ -234,13 +237,23 @@ class WebSocketTransport:
                 await self._ws.send(payload.decode())
                 sent = True
                 while True:
-                    reply: dict[str, Any] = orjson.loads(await self._ws.recv())
+                    raw = await self._ws.recv()
+                    try:
+                        reply: dict[str, Any] = orjson.loads(raw)
+                        rid = reply.get("id")
+                    except (orjson.JSONDecodeError, AttributeError):
+                        # Not a JSON object, so no id: in order, the reply of the oldest
+                        # request given up on, if any, else this one's.
+                        if self._skip_owed():
+                            continue
+                        raise ProtocolError(
+                            f"The server sent a frame that is not a JSON object: {raw[:200]!r}"
+                        ) from None
                     if not self.extended:
                         if self._unanswered:
                             self._unanswered -= 1
                             continue
                         return reply
-                    rid = reply.get("id")
                     if rid == want or want is None:
                         if self._abandoned:
                             self._abandoned.clear()  # answered in order: all before it were
@@ -266,6 +279,18 @@ class WebSocketTransport:
             elif want is not None:
                 self._abandoned.append(want)
             raise
+
+    def _skip_owed(self) -> bool:
+        """A reply without an id arrived: if one is owed to a request given up on, it is
+        that one's (the oldest's): count it answered and say so."""
+        if not self.extended:
+            if self._unanswered:
+                self._unanswered -= 1
+                return True
+        elif self._abandoned:
+            self._abandoned.popleft()
+            return True
+        return False
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
         async with self._lock:
