@@ -319,7 +319,9 @@ async def test_a_malformed_server_frame_is_a_protocol_error_and_the_client_goes_
                     await ws.send(message)
                     continue
                 data = {"observation": {"echoed_message": message}}
-                await ws.send(orjson.dumps({"type": "observation", "id": frame.get("id"), "data": data}))
+                await ws.send(
+                    orjson.dumps({"type": "observation", "id": frame.get("id"), "data": data})
+                )
 
     async with serve(handle, "127.0.0.1", 0) as server:
         port = next(iter(server.sockets)).getsockname()[1]
