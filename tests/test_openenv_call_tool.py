@@ -12,6 +12,7 @@ with those of OpenEnv's own server (tests/support/openenv_echo_server.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -283,3 +284,21 @@ def test_tool_result_value_reads_each_form() -> None:
     }
     assert tool_result_value(text_only) == "cba"
     assert tool_result_value({**text_only, "content": []}) is None
+
+
+def test_a_tool_result_text_block_is_valid_json_with_non_finite_floats_as_null() -> None:
+    """Python's json writes NaN/Infinity, which no other JSON parser reads; the text
+    block says null there, as structuredContent does once serialised."""
+    from envport.types import tool_text
+
+    text = tool_text({"loss": float("nan"), "bounds": [float("-inf"), 1.5], "ok": True})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}")) == {
+        "loss": None,
+        "bounds": [None, 1.5],
+        "ok": True,
+    }
+    assert tool_text([1, 2]) == "[1, 2]"
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(ValueError, match="Circular"):
+        tool_text(loop)

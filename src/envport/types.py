@@ -10,6 +10,7 @@ Gymnasium) and ``done`` is their union.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -124,10 +125,29 @@ class ToolErrorInfo(BaseModel):
 
 
 def tool_text(value: Any) -> str:
-    """A tool result as one text block: a string as is, anything else as JSON."""
+    """A tool result as one text block: a string as is, anything else as JSON. Valid
+    JSON: NaN and infinities are null, as in the ``structuredContent`` beside it (JSON has
+    no token for them; Python's ``NaN`` would break every other parser)."""
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError as exc:
+        if "float" not in str(exc):  # a circular reference, say: not ours to mend
+            raise
+        # a non-finite float somewhere (rare: only then the walk)
+        return json.dumps(_finite(value), ensure_ascii=False, default=str, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def structured_content(value: Any) -> dict[str, Any]:
