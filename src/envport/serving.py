@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-#: Where :func:`free_port` looks: from here up to the kernel's ephemeral range.
-_PICK_FROM = 10000
+#: Where :func:`free_port` looks: from here up to the kernel's ephemeral range (above
+#: Ray's worker ports, 10002-19999 by default, which a Ray node refuses to share).
+_PICK_FROM = 20000
 _pick = random.Random()  # its own: never the global generator an environment seeds
 
 
