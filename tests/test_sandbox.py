@@ -283,6 +283,27 @@ async def test_writes_outside_the_workspace_never_reach_the_host(
             await sb.read_file("missing.txt")
 
 
+# The host-global knobs a sandbox's root (host uid 0, no capabilities) must not turn.
+# Each write puts back the value just read: even where the test fails, the host keeps it.
+PROC_WRITES = (
+    "for f in vm/swappiness kernel/core_pattern; do v=$(cat /proc/sys/$f) || exit 9; "
+    'if printf \'%s\\n\' "$v" > /proc/sys/$f; then echo "$f: written"; fi; done; '
+    "[ -w /proc/sysrq-trigger ] && echo 'sysrq: writable'; "
+    "for f in kcore keys timer_list sched_debug kallsyms; do "
+    '[ -n "$(head -c 64 /proc/$f 2>/dev/null)" ] && echo "$f: readable"; done; '
+    "cat /proc/sys/kernel/ostype"
+)
+
+
+@needs_isolation
+async def test_proc_sys_is_read_only_and_kernel_files_are_masked(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        result = await sb.exec(PROC_WRITES)
+        assert result.stdout == "Linux\n", result
+        assert "Read-only file system" in result.stderr
+        assert (await sb.exec("cat /proc/sys/vm/swappiness /proc/self/status")).exit_code == 0
+
+
 # --- snapshot, restore, reset, fork -------------------------------------------------------
 
 

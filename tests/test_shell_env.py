@@ -230,6 +230,17 @@ async def test_network_is_unreachable_inside() -> None:
 
 
 @needs_bwrap
+async def test_proc_sys_is_read_only_inside() -> None:
+    from tests.test_sandbox import PROC_WRITES
+
+    async with ShellEnv() as env:
+        await env.reset()
+        out = await run(env, PROC_WRITES)
+        assert out["stdout"] == "Linux\n", out
+        assert "Read-only file system" in out["stderr"]
+
+
+@needs_bwrap
 async def test_writes_outside_the_workspace_stay_inside_the_sandbox() -> None:
     name = f"envport-test-{uuid.uuid4().hex}"
     async with ShellEnv() as env, ShellEnv() as other:

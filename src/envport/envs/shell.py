@@ -77,6 +77,7 @@ from pydantic import Field
 
 from envport.env import AnyAction, Env
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
+from envport.sandbox.procfs import proc_hardening_args
 from envport.tools import tool
 from envport.types import Action, Observation, StepResult
 
@@ -211,7 +212,8 @@ def bwrap_argv(bwrap: str, ws: Workspace, command: str) -> list[str]:
     for key, value in env.items():
         args += ["--setenv", key, value]
     args += _system_binds()
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", str(ws.tmp), "/tmp"]
+    args += ["--proc", "/proc", *proc_hardening_args(), "--dev", "/dev"]
+    args += ["--bind", str(ws.tmp), "/tmp"]
     args += ["--bind", str(ws.host_workdir), ws.workdir, "--bind", str(ws.logs), LOGS_MOUNT]
     args += ["--ro-bind", str(ws.tests), TESTS_MOUNT, "--remount-ro", "/", "--chdir", ws.workdir]
     return [*args, "bash", "-c", command]

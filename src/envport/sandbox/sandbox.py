@@ -10,6 +10,7 @@
         │   └── <workdir>      the overlay workspace, mounted by the controller
         └── u<N>/              the overlay's upper and work dirs
     bwrap (own mount, PID, network, IPC, UTS, cgroup namespaces; no capabilities)
+    ├── /proc                  its own; /proc/sys read-only, kcore & co masked (.procfs)
     ├── /tmp                   bwrap's own tmpfs of tmp_mb (inside the sandbox only)
     └── bash                   the persistent shell, driven over pipes (see .session)
 
@@ -90,6 +91,7 @@ from envport.sandbox.config import (
 )
 from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, is_empty
 from envport.sandbox.probe import probe
+from envport.sandbox.procfs import proc_hardening_args
 
 if TYPE_CHECKING:
     from envport.sandbox.pool import SandboxPool
@@ -856,7 +858,8 @@ class Sandbox:
         for name in _MERGED_USR:
             if not os.path.islink(name) and os.path.isdir(name):
                 args += ["--ro-bind", name, name]
-        args += ["--proc", "/proc", "--dev", "/dev", "--size", str(cfg.tmp_mb * _MB)]
+        args += ["--proc", "/proc", *proc_hardening_args()]
+        args += ["--dev", "/dev", "--size", str(cfg.tmp_mb * _MB)]
         args += ["--perms", "1777", "--tmpfs", "/tmp"]
         # After /tmp: a bind under /tmp (a venv in a CI checkout there) must land on the
         # sandbox's tmpfs, not be hidden by it.
