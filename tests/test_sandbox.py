@@ -304,6 +304,33 @@ async def test_proc_sys_is_read_only_and_kernel_files_are_masked(runtime: Path) 
         assert (await sb.exec("cat /proc/sys/vm/swappiness /proc/self/status")).exit_code == 0
 
 
+# Commands that make the persistent shell report exit status 0 for what follows.
+FORGE_PRINTF = (
+    "printf() { if [[ $2 == __ENVPORT_* && $# == 3 ]]; then builtin printf '%s%d\\n' "
+    '"$2" 0; else builtin printf "$@"; fi; }'
+)
+FORGE_BUILTIN = (
+    "builtin() { if [[ $1 == printf && $3 == __ENVPORT_* && $# == 4 ]]; then "
+    'command printf \'%s%d\\n\' "$3" 0; else command "$@"; fi; }'
+)
+
+
+@needs_isolation
+async def test_a_fresh_shell_reports_the_true_status_whatever_the_agent_defined(
+    runtime: Path, repo: Path
+) -> None:
+    async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
+        await sb.exec(FORGE_PRINTF)
+        assert (await sb.exec("false")).exit_code == 1  # \\builtin printf ignores it
+        await sb.exec(FORGE_BUILTIN + "; cd /tmp; echo junk > /tmp/j")
+        assert (await sb.exec("false")).exit_code == 0  # the agent's shell lies now
+        graded = await sb.exec("./test.sh; echo $?; pwd; ls /tmp", fresh_shell=True)
+        assert graded.stdout == "1\n/workspace\n"
+        assert (await sb.exec("./test.sh", fresh_shell=True)).exit_code == 1
+        assert (await sb.exec("false")).exit_code == 1  # and the agent's shell is gone
+        assert sb.restarts == 0
+
+
 # --- snapshot, restore, reset, fork -------------------------------------------------------
 
 

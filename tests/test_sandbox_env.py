@@ -26,6 +26,7 @@ from envport.sandbox.cgroups import own_cgroups
 from envport.sandbox.mounts import mounted_under
 from envport.tasks.task import RubricSpec, Task
 from tests.support.servers import run_env_server
+from tests.test_sandbox import FORGE_BUILTIN, FORGE_PRINTF
 
 ISOLATION = probe()
 needs_isolation = pytest.mark.skipif(
@@ -165,6 +166,10 @@ async def test_a_rubric_runs_the_tests_inside_through_a_real_server(
             await client.reset(workspace=str(repo))  # back to the broken task
             again = await rubric.score(ScoringContext(task=task, env=ClientHandle(client)))
             assert again.total == 0.0
+            for forge in (FORGE_PRINTF, FORGE_BUILTIN):  # the agent rigs its shell
+                await client.call_tool("run", {"command": forge})
+                rigged = await rubric.score(ScoringContext(task=task, env=ClientHandle(client)))
+                assert rigged.total == 0.0, forge
 
 
 @needs_isolation

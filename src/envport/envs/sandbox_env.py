@@ -274,15 +274,19 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
     # --- tools -------------------------------------------------------------------------
 
     @tool
-    async def run(self, command: str, timeout_s: float | None = None) -> dict[str, Any]:
+    async def run(
+        self, command: str, timeout_s: float | None = None, fresh_shell: bool = False
+    ) -> dict[str, Any]:
         """Run a bash command in the sandbox's shell; returns exit_code, stdout, stderr,
         timed_out. cd, variables and functions persist between calls.
 
         Args:
             command: The command line, run by the persistent bash shell.
             timeout_s: Seconds before the command (and everything it started) is killed.
+            fresh_shell: Run it in a new shell instead (files kept; cwd, variables,
+                background processes and /tmp are not): how graders run tests.
         """
-        return await self._run(command, timeout_s)
+        return await self._run(command, timeout_s, fresh_shell=fresh_shell)
 
     @tool
     async def read_file(self, path: str) -> str:
@@ -352,7 +356,9 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
             raise ToolError("No sandbox yet; call reset() first.", kind="execution_error")
         return self.sandbox
 
-    async def _run(self, command: str, timeout_s: float | None) -> dict[str, Any]:
+    async def _run(
+        self, command: str, timeout_s: float | None, *, fresh_shell: bool = False
+    ) -> dict[str, Any]:
         sb = self._require_tool()
         if timeout_s is not None and not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise ToolError(
@@ -361,7 +367,7 @@ class SandboxEnv(Env[SandboxAction, SandboxObservation]):
             )
         self.commands_run += 1
         try:
-            result = await sb.exec(command, timeout_s)
+            result = await sb.exec(command, timeout_s, fresh_shell=fresh_shell)
         except SandboxError as exc:
             raise ToolError(
                 f"Could not run the command: {exc}", kind="execution_error", **_failure(exc)

@@ -212,8 +212,12 @@ class ClientHandle:
     timeout_s)`` returning ``exit_code``/``stdout``/``stderr`` (and ``timed_out``),
     ``read_file(path)``, and ``write_file(path, content)`` once per uploaded file (a
     file that is not UTF-8 as ``content`` in base64 with ``encoding="base64"``), as
-    ``shell-v1`` provides — else raise :class:`NotSupportedError`. A ``read_file`` tool
-    error that says the file is missing becomes :class:`FileNotFoundError`. Calls are
+    ``shell-v1`` provides — else raise :class:`NotSupportedError`. Where the ``run`` tool
+    takes ``fresh_shell`` (``sandbox-v1``, whose shell persists between the agent's
+    commands), ``run`` passes ``fresh_shell=True``: a grader's command must not run in a
+    shell the agent prepared (a ``printf`` function there would forge exit statuses). A
+    ``read_file`` tool error that says the file is missing becomes
+    :class:`FileNotFoundError`. Calls are
     serialised: one session answers one request at a time. The client's own call
     timeout bounds each tool call, so keep it above the commands' ``timeout_s``.
     """
@@ -222,6 +226,7 @@ class ClientHandle:
         self.client = client
         self._lock = asyncio.Lock()
         self._tools: set[str] | None = None
+        self._fresh_run = False
 
     def __repr__(self) -> str:
         return f"ClientHandle({self.client!r})"
@@ -237,7 +242,12 @@ class ClientHandle:
     async def _require(self, tool: str, what: str) -> None:
         if self._tools is None:
             async with self._lock:
-                self._tools = {t["name"] for t in await self.client.list_tools()}
+                listed = await self.client.list_tools()
+            self._tools = {t["name"] for t in listed}
+            for spec in listed:
+                if spec["name"] == "run":
+                    schema = spec.get("input_schema") or spec.get("inputSchema") or {}
+                    self._fresh_run = "fresh_shell" in (schema.get("properties") or {})
         if tool not in self._tools:
             known = ", ".join(sorted(self._tools)) or "(none)"
             raise NotSupportedError(
@@ -272,8 +282,11 @@ class ClientHandle:
     async def run(self, command: str | Sequence[str], timeout_s: float) -> CommandResult:
         await self._require("run", "run commands")
         text = command if isinstance(command, str) else _shell_join(command)
+        args: dict[str, Any] = {"command": text, "timeout_s": timeout_s}
+        if self._fresh_run:  # not in the agent's shell, whose state the agent controls
+            args["fresh_shell"] = True
         try:
-            result = await self.call_tool("run", {"command": text, "timeout_s": timeout_s})
+            result = await self.call_tool("run", args)
         except ToolError as exc:
             raise CommandError(f"the environment could not run {text!r}: {exc}") from exc
         if isinstance(result, dict) and result.get("timed_out"):

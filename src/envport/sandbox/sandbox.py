@@ -373,15 +373,27 @@ class Sandbox:
 
     # --- commands ----------------------------------------------------------------------
 
-    async def exec(self, command: str, timeout_s: float | None = None) -> ExecResult:
+    async def exec(
+        self, command: str, timeout_s: float | None = None, *, fresh_shell: bool = False
+    ) -> ExecResult:
         """Run ``command`` in the shell (``cd``/variables persist); never raises for what
-        the command does: its failure, timeout or death are in the result."""
+        the command does: its failure, timeout or death are in the result.
+
+        ``fresh_shell=True`` first replaces the sandbox's processes with a new shell in
+        the workdir (as a shell restart does: the workspace is kept; cwd, variables,
+        functions, background processes and ``/tmp`` are not), so nothing an earlier
+        command did to the shell (a ``printf`` function, a trap, a disabled builtin, a
+        process watching it) can change how this one runs or what it reports. Graders use
+        it: the persistent shell is the agent's and cannot be trusted to report a test's
+        exit status. It costs a sandbox start (tens of ms)."""
         self._check_open()
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         if not limit > 0:
             raise SandboxError(f"timeout_s must be positive, got {timeout_s!r}")
         async with self._lock:
             self._check_open()
+            if fresh_shell:
+                await self._restart_shell(count=False)
             return await self._exec(command, limit)
 
     async def _exec(self, command: str, timeout_s: float) -> ExecResult:
@@ -926,8 +938,10 @@ class Sandbox:
         if self.isolated not in _FRESH_OPTIONS:
             _FRESH_OPTIONS[self.isolated] = (await shell.run_internal(OPTIONS_SCRIPT))[1]
 
-    async def _restart_shell(self) -> None:
-        self.restarts += 1
+    async def _restart_shell(self, *, count: bool = True) -> None:
+        self._check_open()
+        if count:
+            self.restarts += 1
         self._res.stop_processes()
         if self._res.cgroup is not None:
             await asyncio.to_thread(self._res.cgroup.kill_all)

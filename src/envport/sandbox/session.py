@@ -3,14 +3,20 @@
 **Protocol.** Each command is sent on the shell's stdin as one top-level line::
 
     eval '<command, single-quoted>' </dev/null
-    printf '%s%d\\n' <MARK> "$?"; printf '%s\\n' <MARK> >&2
+    \\builtin printf '%s%d\\n' <MARK> "$?"; \\builtin printf '%s\\n' <MARK> >&2
 
 ``eval`` at top level keeps what the command does to the shell (``cd``, variables,
-functions) for the next one; stdin is ``/dev/null`` so a command cannot read the
-protocol. ``<MARK>`` is a fresh random token per command, so no output can forge it:
-everything before it on stdout (stderr) is the command's stdout (stderr), and the number
-after it on stdout is ``$?``. Each stream keeps its first ``cap`` bytes and drains the
-rest while still looking for the marker.
+functions) for the next one; stdin is ``/dev/null``. ``<MARK>`` is a fresh random token
+per command, so no output forges it by chance: everything before it on stdout (stderr)
+is the command's stdout (stderr), and the number after it on stdout is ``$?``. Each
+stream keeps its first ``cap`` bytes and drains the rest while still looking for the
+marker. ``\\builtin printf`` is immune to a ``printf`` function or alias.
+
+**The shell is the agent's, not a trusted reporter.** A command can still make later
+markers lie: a function named ``builtin``, a ``DEBUG`` trap under ``extdebug``, reading
+the next marker from the shell's own input pipe. No line sent to a shell whose state a
+command controls can prevent that, so whatever must be believed (a grader's test run)
+runs in a fresh shell instead (``Sandbox.exec(..., fresh_shell=True)``).
 
 What the shell's state is (:data:`CAPTURE_SCRIPT`) is a few builtins (``declare -p``,
 ``declare -f``, ``alias -p``, ``shopt -p``, ``set +o``, ``$PWD``) printed as bash source;
@@ -201,15 +207,21 @@ class ShellProcess:
         self._transports: list[asyncio.BaseTransport] = []
 
     async def attach(self) -> None:
-        """Connect the pipes to the running event loop."""
+        """Connect the pipes to the running event loop.
+
+        The transports get their own duplicates of the pipes' descriptors: uvloop's (the
+        default under uvicorn) close the descriptor they were given when they are closed,
+        while the ``Popen``'s file object still holds that number; closing the object
+        later closed whatever had reused the number (a restarted shell's pipe), and libuv
+        aborted the whole server."""
         loop = asyncio.get_running_loop()
         proc = self.proc
         assert proc.stdin is not None
         assert proc.stdout is not None
         assert proc.stderr is not None
-        self._stdout = await self._reader(loop, proc.stdout)
-        self._stderr = await self._reader(loop, proc.stderr)
-        transport, _ = await loop.connect_write_pipe(asyncio.Protocol, proc.stdin)
+        self._stdout = await self._reader(loop, _dup(proc.stdout, "rb"))
+        self._stderr = await self._reader(loop, _dup(proc.stderr, "rb"))
+        transport, _ = await loop.connect_write_pipe(asyncio.Protocol, _dup(proc.stdin, "wb"))
         self._transports.append(transport)
         self._stdin = transport
 
@@ -231,7 +243,10 @@ class ShellProcess:
         assert self._stdout is not None
         assert self._stderr is not None
         mark = "__ENVPORT_" + secrets.token_hex(12) + "__"
-        line = f"{script}\nprintf '%s%d\\n' {mark} \"$?\"; printf '%s\\n' {mark} >&2\n"
+        line = (
+            f"{script}\n\\builtin printf '%s%d\\n' {mark} \"$?\"; "
+            f"\\builtin printf '%s\\n' {mark} >&2\n"
+        )
         if self._stdin.is_closing():
             raise ShellDied
         self._stdin.write(line.encode())
@@ -262,6 +277,10 @@ class ShellProcess:
             with contextlib.suppress(RuntimeError):  # the event loop may be gone already
                 transport.close()
         self._transports.clear()
+
+
+def _dup(pipe: IO[bytes], mode: str) -> IO[bytes]:
+    return open(os.dup(pipe.fileno()), mode, buffering=0)  # the transport owns it
 
 
 def eval_line(command: str) -> str:
