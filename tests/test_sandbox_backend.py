@@ -7,6 +7,7 @@ own network namespace); stopping an instance removes its sandbox entirely.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,8 @@ async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None
         )
         instance = await backend.start(launch)
         assert instance.url is not None
-        assert instance.url.startswith("unix:/proc/")
+        assert instance.url.startswith("unix:/")
+        assert "/proc/" not in instance.url
         assert instance.start_latency_s is not None
         assert await backend.healthy(instance)
         assert await echo(instance, "hi") == "hi"
@@ -62,6 +64,37 @@ async def test_an_instance_serves_over_a_unix_socket_and_stops_cleanly() -> None
         with pytest.raises(ConnectionLostError, match="Cannot connect"):
             async with EnvClient.connect(instance.url):
                 pass
+
+
+async def test_a_symlink_planted_in_the_sandbox_cannot_redirect_the_controller(
+    tmp_path: Path,
+) -> None:
+    """The socket the controller connects to is its own, outside the sandbox: a symlink
+    the sandbox plants where the socket used to be (its /tmp, reached from the host
+    through /proc/<init>/root) leads nowhere."""
+    decoy_path = str(tmp_path / "host.sock")
+    with socket.socket(socket.AF_UNIX) as decoy:
+        decoy.bind(decoy_path)
+        decoy.listen(4)
+        decoy.setblocking(False)
+        async with SandboxBackend() as backend:
+            instance = await backend.start(EnvLaunch(env_id="echo-v1"))
+            sb = backend._sandboxes[instance.instance_id]
+            planted = await sb.exec(
+                f"rm -f /tmp/envport-env.sock; ln -s {decoy_path} /tmp/envport-env.sock; "
+                f"ln -s {decoy_path} /tmp/x.sock; echo ok"
+            )
+            assert planted.stdout == "ok\n"
+            assert instance.url is not None
+            assert not instance.url.startswith(f"unix:/proc/{sb.init_pid}/root")
+            assert await backend.healthy(instance)
+            assert await echo(instance, "hi") == "hi"
+            listening = await sb.exec("ls -l /proc/[0-9]*/fd 2>/dev/null | grep -c socket")
+            assert listening.stdout.strip() != "0"  # the server has it; the shell does not:
+            shell_fds = await sb.exec("ls -l /proc/$$/fd | grep -c socket")
+            assert shell_fds.stdout.strip() == "0"
+        with pytest.raises(BlockingIOError):
+            decoy.accept()  # nothing ever connected to the host's socket
 
 
 async def test_a_server_that_cannot_start_is_reported_and_removed() -> None:

@@ -265,6 +265,7 @@ class Sandbox:
         self.initial: Snapshot = self._chain
         self._held: dict[str, Snapshot] = {}
         self._shell_pid: int | None = None
+        self._pass_fds: tuple[int, ...] = ()
         self.restarts = 0
         #: The pool this sandbox came from; its forks come from there too.
         self.pool: SandboxPool | None = None
@@ -272,8 +273,14 @@ class Sandbox:
     # --- creation ----------------------------------------------------------------------
 
     @classmethod
-    async def create(cls, config: SandboxConfig | None = None, **fields: Any) -> Sandbox:
-        """Start a sandbox (``fields`` build a :class:`SandboxConfig` if none is given)."""
+    async def create(
+        cls, config: SandboxConfig | None = None, *, pass_fds: tuple[int, ...] = (), **fields: Any
+    ) -> Sandbox:
+        """Start a sandbox (``fields`` build a :class:`SandboxConfig` if none is given).
+
+        ``pass_fds``: descriptors the first shell inherits, under the same numbers (a
+        listening socket the controller made outside); a restarted shell does not get
+        them, and the first command should hand them on and close them in the shell."""
         config = config or SandboxConfig(**fields)
         isolation = await asyncio.to_thread(probe)
         runtime = config.runtime_dir or default_runtime_dir()
@@ -287,7 +294,9 @@ class Sandbox:
                 "(no namespaces, no limits, no network isolation).",
                 problems=list(isolation.problems),
             )
-        return await cls._start(config, isolation.isolated, isolation.bwrap, None, None)
+        return await cls._start(
+            config, isolation.isolated, isolation.bwrap, None, None, pass_fds=pass_fds
+        )
 
     @classmethod
     async def _start(
@@ -297,8 +306,11 @@ class Sandbox:
         bwrap: str | None,
         parent: Sandbox | None,
         snapshot: Snapshot | None,
+        *,
+        pass_fds: tuple[int, ...] = (),
     ) -> Sandbox:
         sb = cls(config, isolated=isolated, bwrap=bwrap)
+        sb._pass_fds = pass_fds
         try:
             sb._res.dir.mkdir(mode=0o700, parents=True)
             if parent is not None:
@@ -883,12 +895,14 @@ class Sandbox:
 
     async def _start_shell(self) -> None:
         cap = self.config.max_output_bytes
+        extra, self._pass_fds = self._pass_fds, ()  # the first shell's only
         if not self.isolated:
             proc = _spawn(
                 [*_default_signals(), *_SHELL],
                 cwd=self.host_workdir,
                 env=self._shell_env(),
                 start_new_session=True,
+                pass_fds=extra,
             )
             self._res.proc = proc
             self._shell_pid = proc.pid
@@ -898,7 +912,7 @@ class Sandbox:
             try:
                 proc = _spawn(
                     self._bwrap_argv(w_info, r_block),
-                    pass_fds=(w_info, r_block),
+                    pass_fds=(w_info, r_block, *extra),
                 )
                 self._res.proc = proc
                 close_fds(w_info, r_block)

@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--port-file", help="listen on TCP; write the bound port here")
     where.add_argument("--uds", help="listen on this Unix socket instead of TCP")
+    where.add_argument(
+        "--fd", type=int, help="serve on this inherited, listening Unix socket (a sandbox's)"
+    )
     parser.add_argument("--error-file", help="where to report an environment not built")
     args = parser.parse_args(argv)
 
@@ -79,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from envport.server import uvicorn_config
 
     # A Unix socket binds no address (and no web page can reach one): no Host check.
-    host = None if args.uds is not None else args.host
+    host = None if args.uds is not None or args.fd is not None else args.host
     try:
         app, config = instance_app(args.env, args.sessions, json.loads(args.options), host=host)
     except EnvportError as exc:
@@ -93,6 +96,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         uv = uvicorn_config(app, host="127.0.0.1", port=0, config=config)
         uv.uds = args.uds  # a Unix socket instead of TCP: a sandbox has no shared network
         uvicorn.Server(uv).run()
+        return
+    if args.fd is not None:
+        # The controller made and bound it outside the sandbox, where nothing inside can
+        # replace it (a path in the sandbox's /tmp could be swapped for a symlink that the
+        # controller would follow on the host).
+        listener = socket.socket(fileno=args.fd)
+        uv = uvicorn_config(app, host="127.0.0.1", port=0, config=config)
+        uvicorn.Server(uv).run(sockets=[listener])
         return
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

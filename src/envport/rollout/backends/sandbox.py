@@ -3,11 +3,15 @@
 The server (``python -m envport.rollout.backends.instance ENV --uds PATH``, the local
 backend's server on a Unix socket) lives in a sandbox with its own network namespace, so
 it cannot listen where the controller could reach it over TCP (and nothing else can reach
-it either: Ray-style "listens on all interfaces" does not apply). It listens on a Unix
-socket in the sandbox's ``/tmp`` instead, which the controller reaches through the
-sandbox init's root, ``/proc/<pid>/root/tmp/…``: the instance's URL is
-``unix:/proc/<pid>/root/tmp/envport-env.sock``, which :class:`~envport.client.EnvClient`
-speaks WebSocket over. The launch's limits become the sandbox's cgroup limits;
+it either: Ray-style "listens on all interfaces" does not apply). It serves on a Unix
+socket the controller binds and listens on *outside* the sandbox, in a private directory
+of its own (``envport-env-*/envport-env.sock`` in the temp directory), and hands to the
+sandbox's first shell as an inherited descriptor (``--fd N``; the shell closes its copy
+once the server has it). The instance's URL is ``unix:<that path>``, which
+:class:`~envport.client.EnvClient` speaks WebSocket over. (It used to be a socket in the
+sandbox's ``/tmp`` reached through ``/proc/<init>/root/tmp``: a symlink planted there was
+followed against the host's root, so the controller could be sent to any host socket.)
+The launch's limits become the sandbox's cgroup limits;
 ``network=True`` shares the host's network.
 
 The sandbox binds the controller's Python (its prefix, the virtual environment, and
@@ -27,8 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shlex
+import shutil
+import socket as socketlib
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -105,12 +113,25 @@ class SandboxBackend(Backend):
         check_env_id(launch.env_id)
         instance_id = f"sandbox-{uuid.uuid4().hex[:12]}"
         t0 = time.perf_counter()
+        where = Path(tempfile.mkdtemp(prefix="envport-env-"))  # 0700, the controller's
+        path = str(where / SOCKET_NAME)
+        listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
         try:
-            sb = await Sandbox.create(self._config(launch))
+            listener.bind(path)
+            listener.listen(128)
+            sb = await Sandbox.create(self._config(launch), pass_fds=(listener.fileno(),))
         except SandboxUnavailableError as exc:
+            shutil.rmtree(where, ignore_errors=True)
             raise BackendUnavailableError(f"the sandbox backend cannot run here: {exc}") from exc
         except SandboxError as exc:
+            shutil.rmtree(where, ignore_errors=True)
             raise BackendError(f"could not start a sandbox for {launch.env_id!r}: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(where, ignore_errors=True)
+            raise
+        finally:
+            fd = listener.detach()  # the number the sandbox's shell has it under
+            os.close(fd)
         try:
             init = sb.init_pid
             if init is None:
@@ -118,15 +139,17 @@ class SandboxBackend(Backend):
                     "the sandbox backend needs isolated sandboxes (their own network "
                     "namespace); this one runs unisolated"
                 )
-            socket = f"/proc/{init}/root/tmp/{SOCKET_NAME}"
+            socket = path
             argv = [sys.executable, "-m", INSTANCE_MODULE, launch.env_id]
-            argv += ["--uds", f"/tmp/{SOCKET_NAME}", "--error-file", f"/tmp/{ERROR_NAME}"]
+            argv += ["--fd", str(fd), "--error-file", f"/tmp/{ERROR_NAME}"]
             argv += ["--sessions", str(launch.sessions)]
             argv += ["--options", json.dumps(launch.env_kwargs()), "--instance-id", instance_id]
             command = shlex.join(argv)
             if (source := source_path()) is not None:
                 command = f"PYTHONPATH={shlex.quote(source)}${{PYTHONPATH:+:$PYTHONPATH}} {command}"
-            started = await sb.exec(f"{command} > /tmp/{LOG_NAME} 2>&1 &")
+            # The server keeps the listening socket; the shell (and so every later
+            # command) does not.
+            started = await sb.exec(f"{command} > /tmp/{LOG_NAME} 2>&1 & exec {fd}>&-")
             if started.exit_code != 0:
                 raise BackendError(f"could not launch the server: {started.stderr.strip()}")
             instance = EnvInstance(
@@ -140,6 +163,7 @@ class SandboxBackend(Backend):
             await self._wait_ready(sb, instance, launch.start_timeout_s)
         except BaseException:
             await sb.close()
+            shutil.rmtree(where, ignore_errors=True)
             raise
         instance.start_latency_s = time.perf_counter() - t0
         self._sandboxes[instance_id] = sb
@@ -171,6 +195,9 @@ class SandboxBackend(Backend):
         self._instances.pop(instance.instance_id, None)
         if sb is not None:
             await sb.close()  # kills the whole sandbox: server, children, mounts, cgroups
+        socket = instance.meta.get("socket")
+        if isinstance(socket, str) and Path(socket).name == SOCKET_NAME:
+            shutil.rmtree(Path(socket).parent, ignore_errors=True)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
         want = dict(labels or {})
