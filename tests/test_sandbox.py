@@ -443,6 +443,44 @@ async def test_many_snapshots_flatten_and_stay_correct(runtime: Path) -> None:
         assert (await sb.exec("ls | tr '\\n' ' '")).stdout == "f2 f3 "
 
 
+def _layers(runtime: Path) -> list[Path]:
+    return sorted(p for p in runtime.iterdir() if p.name.startswith("L"))
+
+
+@needs_isolation
+async def test_sparse_files_are_snapshotted_and_forked_sparse(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime, disk_mb=16)) as sb:
+        made = await sb.exec("truncate -s 100G huge && printf x | dd of=huge bs=1 seek=5G "
+                             "conv=notrunc status=none && du -k huge | cut -f1")  # fmt: skip
+        assert made.exit_code == 0, made
+        snap = await sb.snapshot()  # was: a dense 100 GB copy into a 64 MB tmpfs, OSError
+        await sb.exec("rm huge")
+        await sb.restore(snap)
+        check = "stat -c %s huge; du -k huge | cut -f1; tail -c +5368709121 huge | head -c 1"
+        assert (await sb.exec(check)).stdout == f"{100 * 2**30}\n{made.stdout.strip()}\nx"
+        (child,) = await sb.fork(1)
+        async with child:
+            assert (await child.exec("stat -c %s huge")).stdout == f"{100 * 2**30}\n"
+
+
+@needs_isolation
+async def test_a_snapshot_that_cannot_be_copied_is_a_sandbox_error(
+    runtime: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(src: Path, dst: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.exec("echo x > f")
+        monkeypatch.setattr(sandbox_mod, "copy_tree", full)
+        with pytest.raises(SandboxError, match="no room"):
+            await sb.snapshot()
+        with pytest.raises(SandboxError, match=r"fork failed|no room"):
+            await sb.fork(1)
+        monkeypatch.undo()
+        assert (await sb.exec("cat f")).stdout == "x\n"
+
+
 @needs_isolation
 async def test_a_pool_hands_out_started_sandboxes_for_any_task(runtime: Path, repo: Path) -> None:
     async with SandboxPool(cfg(runtime), size=2) as pool:

@@ -60,6 +60,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import errno
 import functools
 import json
 import os
@@ -573,6 +574,16 @@ class Sandbox:
             return await self._snapshot()
 
     async def _snapshot(self) -> Snapshot:
+        try:
+            return await self._take_snapshot()
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise SandboxError(
+                    f"cannot snapshot sandbox {self.id}: no room for the copy ({exc})"
+                ) from exc
+            raise SandboxFailure(f"cannot snapshot sandbox {self.id}: {exc}") from exc
+
+    async def _take_snapshot(self) -> Snapshot:
         sid = secrets.token_hex(6)
         if not self.isolated:
             layer = Layer.create(self._runtime, size_bytes=0, tmpfs=False)
