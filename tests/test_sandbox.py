@@ -482,6 +482,27 @@ async def test_a_snapshot_that_cannot_be_copied_is_a_sandbox_error(
 
 
 @needs_isolation
+async def test_flattening_copies_only_the_snapshots_not_the_task(
+    runtime: Path, tmp_path: Path
+) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "data.bin").write_bytes(os.urandom(40 * 2**20))  # over disk_mb * 4
+    (big / "gone.txt").write_text("g\n")
+    async with await Sandbox.create(cfg(runtime, workspace=big, disk_mb=8)) as sb:
+        await sb.exec("rm gone.txt")
+        for i in range(sandbox_mod.MAX_LAYERS + 3):
+            await sb.exec(f"echo {i} > step.txt")
+            await sb.restore(await sb.snapshot())
+        state = await sb.exec("cat step.txt; ls; cmp -s data.bin /dev/null; echo $?")
+        assert state.stdout == f"{sandbox_mod.MAX_LAYERS + 2}\ndata.bin\nstep.txt\n1\n"
+        held = [
+            sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in _layers(runtime)
+        ]
+        assert max(held) < 2**20  # the 40 MB of the task's files were never copied
+
+
+@needs_isolation
 async def test_a_pool_hands_out_started_sandboxes_for_any_task(runtime: Path, repo: Path) -> None:
     async with SandboxPool(cfg(runtime), size=2) as pool:
         sb = await pool.create(workspace=repo)

@@ -107,17 +107,7 @@ def copy_tree(src: Path, dst: Path) -> None:
                     stack.append((Path(entry.path), Path(target)))
                     _copy_attrs(entry.path, target, st)
                     continue
-                if stat.S_ISLNK(st.st_mode):
-                    os.symlink(os.readlink(entry.path), target)
-                elif stat.S_ISREG(st.st_mode):
-                    copy_sparse(entry.path, target, st.st_size)
-                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-                    os.mknod(target, st.st_mode, st.st_rdev)
-                elif stat.S_ISFIFO(st.st_mode):
-                    os.mkfifo(target, stat.S_IMODE(st.st_mode))
-                else:
-                    continue  # sockets mean nothing in a copy
-                _copy_attrs(entry.path, target, st)
+                copy_tree_entry(entry.path, target, st)
 
 
 def copy_sparse(src: str, dst: str, size: int) -> None:
@@ -171,6 +161,66 @@ def _copy_attrs(src: str | Path, dst: str | Path, st: os.stat_result | None = No
     if not link:
         os.chmod(dst, stat.S_IMODE(st.st_mode))
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+_OPAQUE = "trusted.overlay.opaque"
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def squash(layers: list[Path], dst: Path) -> None:
+    """Merge overlay layers (``layers`` newest first) into the empty directory ``dst`` as
+    one layer that means the same over whatever lies below them: applied oldest first, a
+    whiteout replaces what is there (and stays, for the layers below), an opaque directory
+    replaces the directory, a plain one merges into it, anything else replaces the entry.
+    What lies below (the task's files) is not copied: flattening a stack of snapshots
+    costs what the snapshots hold, whatever the size of the task's repository."""
+    for layer in reversed(layers):
+        _copy_attrs(layer, dst)
+        stack = [(str(layer), str(dst))]
+        while stack:
+            here, there = stack.pop()
+            with os.scandir(here) as entries:
+                for entry in entries:
+                    target = os.path.join(there, entry.name)
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        opaque = _has_opaque(entry.path)
+                        if opaque or not (os.path.isdir(target) and not os.path.islink(target)):
+                            _remove(target)
+                            os.mkdir(target)
+                        _copy_attrs(entry.path, target, st)
+                        stack.append((entry.path, target))
+                        continue
+                    _remove(target)
+                    copy_tree_entry(entry.path, target, st)
+
+
+def _has_opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, _OPAQUE, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def copy_tree_entry(src: str, target: str, st: os.stat_result) -> None:
+    """Copy one non-directory entry (file, symlink, device or whiteout, fifo)."""
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), target)
+    elif stat.S_ISREG(st.st_mode):
+        copy_sparse(src, target, st.st_size)
+    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        os.mknod(target, st.st_mode, st.st_rdev)
+    elif stat.S_ISFIFO(st.st_mode):
+        os.mkfifo(target, stat.S_IMODE(st.st_mode))
+    else:
+        return  # sockets mean nothing in a copy
+    _copy_attrs(src, target, st)
 
 
 def is_empty(path: Path) -> bool:

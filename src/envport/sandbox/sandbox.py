@@ -90,7 +90,7 @@ from envport.sandbox.config import (
     SandboxPathError,
     SandboxUnavailableError,
 )
-from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, is_empty
+from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, is_empty, squash
 from envport.sandbox.probe import probe
 from envport.sandbox.procfs import proc_hardening_args
 
@@ -593,24 +593,35 @@ class Sandbox:
                 layer.destroy()
                 raise
             snap = Snapshot(sid, (layer,), base=False)
-        else:
-            assert self._upper is not None
-            upper = self._upper / "upper"
-            if is_empty(upper):
-                snap = Snapshot(sid, self._chain.layers, self._chain.base)
-            else:
-                flatten = len(self._chain.layers) + 1 > MAX_LAYERS
-                layer = Layer.create(self._runtime, size_bytes=self.config.disk_mb * _MB * 4)
-                try:
-                    src = self.host_workdir if flatten else upper
-                    await asyncio.to_thread(copy_tree, src, layer.data)
-                except BaseException:
-                    layer.destroy()
-                    raise
-                if flatten:
-                    snap = Snapshot(sid, (layer,), base=False)
-                else:
-                    snap = Snapshot(sid, (layer, *self._chain.layers), self._chain.base)
+            self._hold(snap)
+            return snap
+        assert self._upper is not None
+        upper = self._upper / "upper"
+        if is_empty(upper):
+            snap = Snapshot(sid, self._chain.layers, self._chain.base)
+            self._hold(snap)
+            return snap
+        chain = self._chain.layers
+        if len(chain) + 1 > MAX_LAYERS:
+            # Flatten the snapshot layers (never the task's files under them) into one.
+            size = sum(_used_bytes(layer.path) for layer in chain if layer.tmpfs) + _MB
+            merged = Layer.create(self._runtime, size_bytes=size)
+            try:
+                await asyncio.to_thread(squash, [layer.data for layer in chain], merged.data)
+            except BaseException:
+                merged.destroy()
+                raise
+            merged.hold()  # this sandbox's, until it closes, like every layer it made
+            self._res.layers.add(merged)
+            chain = (merged,)
+        # The upper holds at most disk_mb (holes are kept): so does its copy.
+        layer = Layer.create(self._runtime, size_bytes=self.config.disk_mb * _MB + _MB)
+        try:
+            await asyncio.to_thread(copy_tree, upper, layer.data)
+        except BaseException:
+            layer.destroy()
+            raise
+        snap = Snapshot(sid, (layer, *chain), self._chain.base)
         self._hold(snap)
         return snap
 
