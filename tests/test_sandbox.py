@@ -503,6 +503,25 @@ async def test_flattening_copies_only_the_snapshots_not_the_task(
 
 
 @needs_isolation
+async def test_an_unchanged_workspace_is_not_copied_again(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.exec("head -c 2000000 /dev/urandom > data.bin; echo a > f")
+        await asyncio.sleep(0.05)  # past the file system clock's tick
+        first = await sb.snapshot()
+        again = [await sb.snapshot() for _ in range(5)]
+        assert all(s.id == first.id for s in again)
+        assert len(_layers(runtime)) == 1
+        await sb.exec("echo b > f")  # same size, maybe the same clock tick
+        changed = await sb.snapshot()
+        assert changed.id != first.id
+        await sb.exec("echo c > f")
+        await sb.restore(changed)
+        assert (await sb.exec("cat f")).stdout == "b\n"
+        await sb.restore(first)
+        assert (await sb.exec("cat f")).stdout == "a\n"
+
+
+@needs_isolation
 async def test_a_pool_hands_out_started_sandboxes_for_any_task(runtime: Path, repo: Path) -> None:
     async with SandboxPool(cfg(runtime), size=2) as pool:
         sb = await pool.create(workspace=repo)

@@ -30,6 +30,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from pathlib import Path
 
 from envport.procs import owner_tag
@@ -38,6 +39,7 @@ from envport.sandbox import mounts
 #: More lower layers than this and a snapshot flattens the stack into one layer.
 MAX_LAYERS = 24
 _lock = threading.Lock()
+_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)  # Linux's; not in Python's list
 
 
 class Layer:
@@ -221,6 +223,26 @@ def copy_tree_entry(src: str, target: str, st: os.stat_result) -> None:
     else:
         return  # sockets mean nothing in a copy
     _copy_attrs(src, target, st)
+
+
+def fingerprint(path: Path) -> frozenset[tuple[str, int, int, int, int]] | None:
+    """What identifies the tree under ``path`` as unchanged: each entry's relative path,
+    inode, size, and change and modification times (ns). ``None`` when an entry changed
+    within the file system clock's current tick (tmpfs stamps times with a coarse clock):
+    a change made later in the same tick could then leave the same times behind."""
+    now = time.clock_gettime_ns(_REALTIME_COARSE)
+    found: list[tuple[str, int, int, int, int]] = []
+    stack = [str(path)]
+    while stack:
+        here = stack.pop()
+        st = os.lstat(here)
+        if max(st.st_ctime_ns, st.st_mtime_ns) >= now:
+            return None
+        found.append((here, st.st_ino, st.st_size, st.st_ctime_ns, st.st_mtime_ns))
+        if stat.S_ISDIR(st.st_mode):
+            with os.scandir(here) as entries:
+                stack.extend(entry.path for entry in entries)
+    return frozenset(found)
 
 
 def is_empty(path: Path) -> bool:

@@ -90,7 +90,7 @@ from envport.sandbox.config import (
     SandboxPathError,
     SandboxUnavailableError,
 )
-from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, is_empty, squash
+from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, fingerprint, is_empty, squash
 from envport.sandbox.probe import probe
 from envport.sandbox.procfs import proc_hardening_args
 
@@ -266,6 +266,8 @@ class Sandbox:
         self.initial: Snapshot = self._chain
         self._held: dict[str, Snapshot] = {}
         self._shell_pid: int | None = None
+        #: (upper, its fingerprint, the snapshot taken of it): a repeat is free.
+        self._last_snapshot: tuple[Path, frozenset[Any], Snapshot] | None = None
         self._pass_fds: tuple[int, ...] = ()
         self.restarts = 0
         #: The pool this sandbox came from; its forks come from there too.
@@ -601,6 +603,11 @@ class Sandbox:
             snap = Snapshot(sid, self._chain.layers, self._chain.base)
             self._hold(snap)
             return snap
+        # Nothing changed since the last snapshot of this upper: that one still holds.
+        print_ = await asyncio.to_thread(fingerprint, upper)
+        last = self._last_snapshot
+        if print_ is not None and last is not None and last[0] == self._upper and last[1] == print_:
+            return last[2]
         chain = self._chain.layers
         if len(chain) + 1 > MAX_LAYERS:
             # Flatten the snapshot layers (never the task's files under them) into one.
@@ -623,6 +630,8 @@ class Sandbox:
             raise
         snap = Snapshot(sid, (layer, *chain), self._chain.base)
         self._hold(snap)
+        if print_ is not None:
+            self._last_snapshot = (self._upper, print_, snap)
         return snap
 
     async def restore(self, snapshot: Snapshot | str) -> None:
