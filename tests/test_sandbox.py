@@ -25,6 +25,7 @@ from envport.sandbox import (
     SandboxClosedError,
     SandboxConfig,
     SandboxError,
+    SandboxFailure,
     SandboxPathError,
     SandboxPool,
     SandboxUnavailableError,
@@ -586,6 +587,27 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+@needs_isolation
+async def test_a_bind_bwrap_cannot_make_fails_with_its_message(
+    runtime: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(SandboxFailure, match=r"bwrap could not start the sandbox: .*zz-nope"):
+        await Sandbox.create(cfg(runtime, ro_binds={"/usr/zz-nope": tmp_path}))
+
+
+@needs_isolation
+async def test_close_during_an_exec_ends_it_without_a_new_shell(runtime: Path) -> None:
+    sb = await Sandbox.create(cfg(runtime))
+    running = asyncio.create_task(sb.exec("sleep 10", timeout_s=20))
+    await asyncio.sleep(0.3)
+    pids = sb.process_ids()
+    await sb.close()
+    with pytest.raises(SandboxClosedError):
+        await running
+    assert sb._res.proc is None  # no shell started after the close
+    assert gone(pids)
 
 
 @needs_isolation

@@ -956,14 +956,16 @@ class Sandbox:
                         f"bwrap did not set up the sandbox within {START_TIMEOUT_S:g} s"
                     ) from None
                 if info is None:
-                    proc.wait()
-                    assert proc.stderr is not None
-                    detail = proc.stderr.read().decode("utf-8", "replace").strip()
-                    raise SandboxFailure(f"bwrap could not start the sandbox: {detail}")
+                    raise SandboxFailure(f"bwrap could not start the sandbox: {_stderr_of(proc)}")
                 init = int(info["child-pid"])
                 self._res.init_pid = init
                 assert self._res.cgroup is not None
-                self._res.cgroup.add(init)
+                try:
+                    self._res.cgroup.add(init)
+                except OSError as exc:  # bwrap gave up setting up (a bind it cannot make)
+                    raise SandboxFailure(
+                        f"bwrap could not start the sandbox: {_stderr_of(proc) or exc}"
+                    ) from exc
                 os.write(w_block, b"1")
             finally:
                 close_fds(*(fd for fd in (r_info, w_info, r_block, w_block) if fd >= 0))
@@ -1045,6 +1047,15 @@ async def _read_json_fd(fd: int) -> dict[str, Any] | None:
         data += chunk
     parsed: dict[str, Any] = json.loads(data)
     return parsed
+
+
+def _stderr_of(proc: subprocess.Popen[bytes]) -> str:
+    """What a bwrap that failed to set up said (it exits at once after saying it)."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+    if proc.poll() is None or proc.stderr is None:
+        return ""
+    return proc.stderr.read().decode("utf-8", "replace").strip()
 
 
 def _used_bytes(path: Path) -> int:
