@@ -974,7 +974,12 @@ class Sandbox:
         await shell.attach()
         try:
             await shell.run_internal(":", timeout_s=START_TIMEOUT_S)
-        except (ShellDied, TimeoutError) as exc:
+        except ShellDied as exc:
+            detail = (str(exc) or _stderr_of(proc)) if self.isolated else ""
+            if detail:  # bwrap failed setting up after its init had started
+                raise SandboxFailure(f"bwrap could not start the sandbox: {detail}") from exc
+            raise SandboxFailure(f"the sandbox's shell did not start: {exc!r}") from exc
+        except TimeoutError as exc:
             raise SandboxFailure(f"the sandbox's shell did not start: {exc!r}") from exc
         if self.isolated:
             assert self._res.init_pid is not None

@@ -261,11 +261,14 @@ class ShellProcess:
     ) -> tuple[int, str]:
         """Run trusted ``script`` raw (no eval); ``(status, stdout)``; raises
         :class:`ShellDied` or ``TimeoutError`` if the markers do not come."""
-        t_out, t_err, out, _err = self.send(script, cap=cap)
+        t_out, t_err, out, err = self.send(script, cap=cap)
         try:
             async with asyncio.timeout(timeout_s):
                 status = await t_out
                 await t_err
+        except ShellDied:
+            await asyncio.gather(t_out, t_err, return_exceptions=True)
+            raise ShellDied(err.text().strip()) from None  # what it (or bwrap) said last
         finally:
             for task in (t_out, t_err):
                 task.cancel()
