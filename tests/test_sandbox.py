@@ -378,6 +378,35 @@ async def test_reset_cleans_the_shell_in_place(runtime: Path) -> None:
 
 
 @needs_isolation
+async def test_nothing_an_episode_leaves_outside_the_workspace_survives_reset(
+    runtime: Path,
+) -> None:
+    async with await Sandbox.create(cfg(runtime, tmp_mb=16)) as sb:
+        dev = await sb.exec(
+            "echo y > /dev/stash && echo written; df -k --output=size /dev/shm | tail -1"
+        )
+        assert "Read-only file system" in dev.stderr  # /dev is read-only; /dev/shm is sized
+        assert int(dev.stdout) <= 16 * 1024
+        pid = sb.process_ids()
+        await sb.exec("echo answer > /dev/shm/notes; enable -n cd")
+        await sb.reset()  # in place
+        assert sb.process_ids() == pid
+        after = await sb.exec("ls -A /dev/shm; cd / && pwd")
+        assert after.stdout == "/\n", after
+        for leak in ("ipcmk -M 4096", "ipcmk -Q", "exec 7>/workspace/leak", "ulimit -H -t 100",
+                     "unset() { :; }; declare -g KEEP=1"):  # fmt: skip
+            await sb.exec(leak)
+            await sb.reset()  # the shell cannot be cleaned in place: restarted
+            state = await sb.exec(
+                "ipcs -m -q | grep -c 0x; ulimit -Ht; echo ${KEEP:-gone}; type -t unset"
+            )
+            assert state.stdout == "0\nunlimited\ngone\nbuiltin\n", (leak, state)
+            await sb.shell_state()  # a raw line: bash's transient copy of its input is gone
+            assert sandbox_mod._extra_fds(sb._shell_pid or 0) == []
+        assert sb.restarts == 0  # not counted as a failure
+
+
+@needs_isolation
 async def test_fork_copies_workspace_and_shell_state(runtime: Path, repo: Path) -> None:
     async with await Sandbox.create(cfg(runtime, workspace=repo)) as sb:
         await sb.exec(

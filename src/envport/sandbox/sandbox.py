@@ -12,6 +12,7 @@
     bwrap (own mount, PID, network, IPC, UTS, cgroup namespaces; no capabilities)
     ├── /proc                  its own; /proc/sys read-only, kcore & co masked (.procfs)
     ├── /tmp                   bwrap's own tmpfs of tmp_mb (inside the sandbox only)
+    ├── /dev                   bwrap's device nodes, read-only; /dev/shm a small tmpfs
     └── bash                   the persistent shell, driven over pipes (see .session)
 
 **Why mounts are made outside.** bubblewrap binds ``root/`` as the sandbox's ``/``; in
@@ -65,6 +66,7 @@ import functools
 import json
 import os
 import posixpath
+import re
 import secrets
 import shlex
 import shutil
@@ -113,6 +115,8 @@ SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 KILL_GRACE_S = 1.0
 #: Seconds a sandbox may take to start (namespaces set up, the shell answering).
 START_TIMEOUT_S = 30.0
+#: The most a sandbox's /dev/shm holds (MB); never more than its /tmp.
+SHM_MB = 64
 MAX_READ_BYTES = 1024 * 1024
 MAX_LIST_ENTRIES = 1000
 _MERGED_USR = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -269,6 +273,7 @@ class Sandbox:
         #: (upper, its fingerprint, the snapshot taken of it): a repeat is free.
         self._last_snapshot: tuple[Path, frozenset[Any], Snapshot] | None = None
         self._pass_fds: tuple[int, ...] = ()
+        self._shell_limits: str | None = None
         self.restarts = 0
         #: The pool this sandbox came from; its forks come from there too.
         self.pool: SandboxPool | None = None
@@ -656,12 +661,15 @@ class Sandbox:
 
     async def reset(self, snapshot: Snapshot | str | None = None) -> None:
         """Back to the task's initial state: the initial workspace (or ``snapshot``'s), an
-        empty ``/tmp``, a fresh shell (its initial variables, in the workdir).
+        empty ``/tmp`` and ``/dev/shm``, a fresh shell (its initial variables, in the
+        workdir).
 
-        Nothing else restarts: the namespaces, cgroups and mounts stay, and so does the
-        shell process: it is cleaned in place with builtins (variables and functions
-        unset; options, aliases, traps back to a fresh shell's), or replaced by ``exec``
-        where that cannot be done (a read-only variable)."""
+        Nothing else restarts when the shell can be cleaned in place with builtins
+        (variables and functions unset; options, aliases, traps back to a fresh shell's;
+        disabled builtins enabled again). Where it cannot (a read-only variable, a
+        function named after a builtin, a descriptor the shell holds open, a changed
+        ``ulimit``, System V IPC objects), the sandbox's processes are restarted (as a
+        shell restart, tens of ms), so none of that reaches the next episode."""
         self._check_open()
         target = self.initial if snapshot is None else self._find(snapshot)
         async with self._lock:
@@ -669,21 +677,28 @@ class Sandbox:
             await self._restore(target)
             if self.isolated:
                 self._clear_tmp()
-            _, captured = await self._internal(CAPTURE_SCRIPT)
-            options = _FRESH_OPTIONS.get(self.isolated)
             script = None
-            if options is not None:
-                script = clean_script(captured, self._shell_env(), options, self._shell_cwd())
+            _, captured = await self._internal(CAPTURE_SCRIPT)
+            # After a raw internal line: the copy of its input bash keeps while an eval'd
+            # command's stdin is redirected is closed by now.
+            if self._shell_dirty() is None:
+                _, leftovers = await self._internal(_LEFTOVERS_SCRIPT if self.isolated else
+                                                    _DISABLED_SCRIPT)  # fmt: skip
+                options = _FRESH_OPTIONS.get(self.isolated)
+                if (
+                    options is not None
+                    and not _shadows_builtins(captured)
+                    and not any(line.startswith("ipc") for line in leftovers.splitlines())
+                ):
+                    script = clean_script(captured, self._shell_env(), options, self._shell_cwd())
+                    disabled = [line.split()[-1] for line in leftovers.splitlines()
+                                if line.startswith("enable -n ")]  # fmt: skip
+                    if script is not None and disabled:
+                        script = f"enable -- {' '.join(map(shlex.quote, disabled))}\n{script}"
             if script is not None:  # builtins only: no process started
                 await self._internal(script)
             else:
-                env = " ".join(shlex.quote(f"{k}={v}") for k, v in self._shell_env().items())
-                defaults = "--default-signal" if _default_signals() else ""
-                await self._internal(
-                    f"cd -- {shlex.quote(self._shell_cwd())} && exec env -i {defaults} {env} "
-                    "bash --noprofile --norc"
-                )
-                _FRESH_OPTIONS[self.isolated] = (await self._internal(OPTIONS_SCRIPT))[1]
+                await self._restart_shell(count=False)
             self._drop_stale()
 
     async def fork(self, n: int = 1) -> list[Sandbox]:
@@ -825,13 +840,26 @@ class Sandbox:
         tmp = self._sandbox_tmp()
         if tmp is None:
             return
-        with os.scandir(tmp) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.unlink(entry.path)
+        for path in (tmp, tmp.parent / "dev" / "shm"):
+            _empty_dir(path)
+
+    def _shell_dirty(self) -> str | None:
+        """Why the shell cannot be cleaned in place, seen from outside it: descriptors
+        it holds beyond 0-2 (``exec 7>file``), resource limits it changed (a hard
+        ``ulimit`` cannot be raised back without privileges). ``None`` if neither."""
+        pid = self._shell_pid
+        if pid is None:
+            return None
+        try:
+            fds = _extra_fds(pid)
+            limits = _limits_of(pid)
+        except OSError:
+            return "the shell is gone"
+        if fds:
+            return f"open descriptors {fds}"
+        if self._shell_limits is not None and limits != self._shell_limits:
+            return "changed resource limits"
+        return None
 
     def _drop_stale(self) -> None:
         """Delete the upper layers that restores replaced (the shell has left them)."""
@@ -914,8 +942,11 @@ class Sandbox:
             if not os.path.islink(name) and os.path.isdir(name):
                 args += ["--ro-bind", name, name]
         args += ["--proc", "/proc", *proc_hardening_args()]
-        args += ["--dev", "/dev", "--size", str(cfg.tmp_mb * _MB)]
-        args += ["--perms", "1777", "--tmpfs", "/tmp"]
+        # /dev: bwrap's tmpfs of device nodes, read-only (it was writable and unlimited);
+        # /dev/shm: its own tmpfs, as big as /tmp at most, emptied on reset.
+        args += ["--dev", "/dev", "--size", str(min(cfg.tmp_mb, SHM_MB) * _MB)]
+        args += ["--perms", "1777", "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        args += ["--size", str(cfg.tmp_mb * _MB), "--perms", "1777", "--tmpfs", "/tmp"]
         # After /tmp: a bind under /tmp (a venv in a CI checkout there) must land on the
         # sandbox's tmpfs, not be hidden by it.
         for inside, host in cfg.ro_binds.items():
@@ -987,6 +1018,8 @@ class Sandbox:
             if not children:
                 raise SandboxFailure("the sandbox's shell is not running under its init")
             self._shell_pid = children[0]
+        if self._shell_pid is not None:
+            self._shell_limits = _limits_of(self._shell_pid)
         if self.isolated not in _FRESH_OPTIONS:
             _FRESH_OPTIONS[self.isolated] = (await shell.run_internal(OPTIONS_SCRIPT))[1]
 
@@ -1061,6 +1094,123 @@ def _stderr_of(proc: subprocess.Popen[bytes]) -> str:
     if proc.poll() is None or proc.stderr is None:
         return ""
     return proc.stderr.read().decode("utf-8", "replace").strip()
+
+
+#: Disabled builtins (``enable -n NAME`` lines).
+_DISABLED_SCRIPT = "enable -n"
+#: ... and an ``ipc`` line per kind of System V IPC object the sandbox has (builtins only).
+_LEFTOVERS_SCRIPT = (
+    "enable -n; for __k in shm msg sem; do { read -r _; read -r __l; } < /proc/sysvipc/$__k "
+    '&& [ -n "$__l" ] && printf \'ipc %s\\n\' "$__k"; done; unset -v __k __l'
+)
+_BUILTINS = frozenset(
+    [
+        ".",
+        ":",
+        "[",
+        "alias",
+        "bg",
+        "bind",
+        "break",
+        "builtin",
+        "caller",
+        "cd",
+        "command",
+        "compgen",
+        "complete",
+        "compopt",
+        "continue",
+        "declare",
+        "dirs",
+        "disown",
+        "echo",
+        "enable",
+        "eval",
+        "exec",
+        "exit",
+        "export",
+        "false",
+        "fc",
+        "fg",
+        "getopts",
+        "hash",
+        "help",
+        "history",
+        "jobs",
+        "kill",
+        "let",
+        "local",
+        "logout",
+        "mapfile",
+        "popd",
+        "printf",
+        "pushd",
+        "pwd",
+        "read",
+        "readarray",
+        "readonly",
+        "return",
+        "set",
+        "shift",
+        "shopt",
+        "source",
+        "suspend",
+        "test",
+        "times",
+        "trap",
+        "true",
+        "type",
+        "typeset",
+        "ulimit",
+        "umask",
+        "unalias",
+        "unset",
+        "wait",
+    ]
+)
+_FUNCTION_LINE = re.compile(r"^(\S+) \(\) $", re.M)
+
+
+def _shadows_builtins(captured: str) -> bool:
+    """Whether the captured state defines a function named after a builtin (``unset``,
+    ``printf``, ``builtin``...): cleaning in place would call the agent's function."""
+    return any(name in _BUILTINS for name in _FUNCTION_LINE.findall(captured))
+
+
+def _extra_fds(pid: int) -> list[int]:
+    """Descriptors ``pid`` (a shell) holds beyond its stdin, stdout and stderr: bash's own
+    copy of its input pipe (it moves it to fd 10 or so) is not one."""
+    where = f"/proc/{pid}/fd"
+    std = {os.readlink(f"{where}/{fd}") for fd in (0, 1, 2)}
+    extra = []
+    for name in os.listdir(where):
+        with contextlib.suppress(FileNotFoundError):
+            if int(name) > 2 and os.readlink(f"{where}/{name}") not in std:
+                extra.append(int(name))
+    return sorted(extra)
+
+
+def _limits_of(pid: int) -> str | None:
+    """``/proc/<pid>/limits`` (a procfs read: never blocks)."""
+    try:
+        with open(f"/proc/{pid}/limits", encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _empty_dir(path: Path) -> None:
+    """Delete what ``path`` holds (not following symlinks); ignores what is gone."""
+    try:
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
 
 
 def _used_bytes(path: Path) -> int:
