@@ -160,6 +160,16 @@ async def test_background_processes_are_killed_unless_kept(runtime: Path) -> Non
 
 
 @needs_isolation
+async def test_killed_background_jobs_leave_no_notice_in_the_next_command(
+    runtime: Path,
+) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        assert (await sb.exec("sleep 100 & sleep 200 & echo started")).stdout == "started\n"
+        after = await sb.exec("echo next")
+        assert (after.stdout, after.stderr) == ("next\n", "")
+
+
+@needs_isolation
 async def test_fork_bomb_hits_the_pids_limit(runtime: Path) -> None:
     async with await Sandbox.create(cfg(runtime, pids=40)) as sb:
         result = await sb.exec("for i in $(seq 60); do sleep 20 & done", timeout_s=2)

@@ -454,8 +454,10 @@ class Sandbox:
                 notes.append(f"the shell exited (status {code})")
             notes.append("a fresh shell was started in the workdir: files are kept, cwd and "
                          "variables are not")  # fmt: skip
-        elif not self.config.keep_background:
-            await self._kill_strays()
+        elif not self.config.keep_background and await self._kill_strays():
+            # Reap the killed jobs now, so bash's "Killed" notices go nowhere instead of
+            # into the next command's stderr.
+            await self._internal("wait 2>/dev/null")
         oom = bool(self._res.cgroup and self._res.cgroup.oom_kills() > ooms)
         if oom:
             notes.insert(0, f"killed: out of memory (limit {self.config.memory_mb} MB)")
@@ -1051,17 +1053,21 @@ class Sandbox:
             await self._restart_shell()
             raise SandboxFailure("the sandbox's shell died; it was restarted") from None
 
-    async def _kill_strays(self) -> None:
-        """Kill every process in the sandbox but its init and shell."""
+    async def _kill_strays(self) -> bool:
+        """Kill every process in the sandbox but its init and shell; whether any was."""
         spare = {p for p in (self._res.init_pid, self._shell_pid) if p is not None}
         cgroup = self._res.cgroup
         if cgroup is not None:
             if any(p not in spare for p in cgroup.pids()):
                 await asyncio.to_thread(cgroup.kill_all, spare=spare)
+                return True
         elif self._shell_pid is not None:
-            for pid in _descendants(self._shell_pid):
+            strays = _descendants(self._shell_pid)
+            for pid in strays:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            return bool(strays)
+        return False
 
     def _check_open(self) -> None:
         if self.status is SandboxStatus.CLOSED:
