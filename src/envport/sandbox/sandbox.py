@@ -680,19 +680,25 @@ class Sandbox:
             if self.isolated:
                 self._clear_tmp()
             script = None
-            _, captured = await self._internal(CAPTURE_SCRIPT)
+            # One round trip: the shell's state, then what else an episode may leave.
+            leftovers_script = _LEFTOVERS_SCRIPT if self.isolated else _DISABLED_SCRIPT
+            _, out = await self._internal(
+                f"{CAPTURE_SCRIPT}; printf '\\n%s\\n' {_LEFTOVERS}; {leftovers_script}"
+            )
+            captured, found, leftovers = out.rpartition(f"\n{_LEFTOVERS}\n")
             # After a raw internal line: the copy of its input bash keeps while an eval'd
             # command's stdin is redirected is closed by now.
-            if self._shell_dirty() is None:
-                _, leftovers = await self._internal(_LEFTOVERS_SCRIPT if self.isolated else
-                                                    _DISABLED_SCRIPT)  # fmt: skip
+            if found and self._shell_dirty() is None:
                 options = _FRESH_OPTIONS.get(self.isolated)
                 if (
                     options is not None
                     and not _shadows_builtins(captured)
                     and not any(line.startswith("ipc") for line in leftovers.splitlines())
                 ):
-                    script = clean_script(captured, self._shell_env(), options, self._shell_cwd())
+                    with contextlib.suppress(ValueError):  # not what CAPTURE_SCRIPT prints
+                        script = clean_script(
+                            captured, self._shell_env(), options, self._shell_cwd()
+                        )
                     disabled = [line.split()[-1] for line in leftovers.splitlines()
                                 if line.startswith("enable -n ")]  # fmt: skip
                     if script is not None and disabled:
@@ -1102,6 +1108,7 @@ def _stderr_of(proc: subprocess.Popen[bytes]) -> str:
     return proc.stderr.read().decode("utf-8", "replace").strip()
 
 
+_LEFTOVERS = "__ENVPORT_LEFTOVERS__"
 #: Disabled builtins (``enable -n NAME`` lines).
 _DISABLED_SCRIPT = "enable -n"
 #: ... and an ``ipc`` line per kind of System V IPC object the sandbox has (builtins only).
