@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,6 +144,8 @@ def test_sandboxed_coding_batch_killed_midway_and_resumed_runs_each_rollout_once
     assert _processes_under(runtime) == []
     assert mounted_under(tmp_path) == [], "mounts left behind"
     assert _leftover_cgroups(first.pid) == [], "the killed controller's cgroups are left"
+    sockets = list(Path(tempfile.gettempdir()).glob(f"envport-env-{first.pid}-*"))
+    assert sockets == [], "the killed controller's socket directories are left"
     assert not runtime.exists() or list(runtime.iterdir()) == []
 
 

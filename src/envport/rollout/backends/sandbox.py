@@ -5,7 +5,8 @@ backend's server on a Unix socket) lives in a sandbox with its own network names
 it cannot listen where the controller could reach it over TCP (and nothing else can reach
 it either: Ray-style "listens on all interfaces" does not apply). It serves on a Unix
 socket the controller binds and listens on *outside* the sandbox, in a private directory
-of its own (``envport-env-*/envport-env.sock`` in the temp directory), and hands to the
+of its own (``envport-env-<pid>-…/envport-env.sock`` in the temp directory; a later run
+sweeps those of dead controllers), and hands to the
 sandbox's first shell as an inherited descriptor (``--fd N``; the shell closes its copy
 once the server has it). The instance's URL is ``unix:<that path>``, which
 :class:`~envport.client.EnvClient` speaks WebSocket over. (It used to be a socket in the
@@ -46,6 +47,7 @@ from typing import Any, ClassVar
 import httpx
 
 import envport
+from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.rollout.backends.base import (
     Backend,
     BackendError,
@@ -57,6 +59,7 @@ from envport.rollout.backends.local import INSTANCE_MODULE, check_env_id, start_
 from envport.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailableError
 
 SOCKET_NAME = "envport-env.sock"
+SOCKET_DIR_PREFIX = "envport-env-"
 LOG_NAME = "envport-env.log"
 ERROR_NAME = "envport-env.error"
 
@@ -113,7 +116,9 @@ class SandboxBackend(Backend):
         check_env_id(launch.env_id)
         instance_id = f"sandbox-{uuid.uuid4().hex[:12]}"
         t0 = time.perf_counter()
-        where = Path(tempfile.mkdtemp(prefix="envport-env-"))  # 0700, the controller's
+        # 0700, the controller's; named after it, so a later run sweeps it up if it dies
+        where = Path(tempfile.mkdtemp(prefix=f"{SOCKET_DIR_PREFIX}{owner_tag()}-"))
+        _sweep_socket_dirs()
         path = str(where / SOCKET_NAME)
         listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
         try:
@@ -213,6 +218,21 @@ class SandboxBackend(Backend):
 
     def outstanding(self) -> int:
         return len(self._instances)
+
+
+_swept_sockets = False
+
+
+def _sweep_socket_dirs() -> None:
+    """Remove the socket directories of controllers that died (SIGKILL), once a process."""
+    global _swept_sockets
+    if _swept_sockets:
+        return
+    _swept_sockets = True
+    for entry in Path(tempfile.gettempdir()).glob(f"{SOCKET_DIR_PREFIX}*"):
+        owner = parse_owner(entry.name[len(SOCKET_DIR_PREFIX) :])
+        if owner is not None and not owner_alive(*owner):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 async def _health(instance: EnvInstance) -> bool:
