@@ -737,7 +737,7 @@ class _FailingSandbox:
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
 
-    async def exec(self, command: str, timeout_s: float | None) -> Any:
+    async def exec(self, command: str, timeout_s: float | None, *, fresh_shell: bool) -> Any:
         raise self.exc
 
     async def snapshot(self) -> Any:
