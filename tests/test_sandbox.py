@@ -412,7 +412,7 @@ async def test_nothing_an_episode_leaves_outside_the_workspace_survives_reset(
             )
             assert state.stdout == "0\nunlimited\ngone\nbuiltin\n", (leak, state)
             await sb.shell_state()  # a raw line: bash's transient copy of its input is gone
-            assert sandbox_mod._extra_fds(sb._shell_pid or 0) == []
+            assert sandbox_mod._extra_fds(sb._shell_pid or 0, sb._shell_std) == []
         assert sb.restarts == 0  # not counted as a failure
 
 

@@ -82,7 +82,8 @@ async def test_reset_restores_the_task_without_a_new_sandbox(repo: Path) -> None
         await env.reset(workspace=str(repo), files={"notes.txt": "task notes\n"})
         assert env.sandbox is sandbox
         assert sandbox is not None
-        assert sandbox.process_ids() == pids  # nothing restarted
+        assert sandbox.process_ids() == pids, sandbox.reset_restarted  # nothing restarted
+        assert sandbox.reset_restarted is None
         again = await run(env, "pwd; echo ${X:-unset}; cat notes.txt; ls")
         assert (
             again["stdout"] == "/workspace\nunset\ntask notes\ncalc.py\nnotes.txt\ntest_calc.py\n"

@@ -191,10 +191,12 @@ async def test_a_close_frame_sent_while_a_step_runs_ends_the_session(
     config = ServerConfig(resume_grace_s=60)
     with run_env_server(FaultyEnv, config, mcp=False) as (url, app):
         manager = app.state.manager
-        async with connect(ws_url(url)) as ws:
+        # The client hangs up at most 0.5 s after its close (it does not wait for the
+        # server's close frame, which may come only once the step ends): well before it.
+        async with connect(ws_url(url), close_timeout=0.5) as ws:
             await ask(ws, {"type": "hello", "id": 1})
             await ask(ws, {"type": "reset", "id": 2})
-            await ws.send(json.dumps({"type": "step", "id": 3, "data": {"message": "sleep:0.5"}}))
+            await ws.send(json.dumps({"type": "step", "id": 3, "data": {"message": "sleep:4"}}))
             await ws.send(json.dumps({"type": "close"}))
         assert manager.sessions  # the step still runs
         for _ in range(500):

@@ -274,6 +274,10 @@ class Sandbox:
         self._last_snapshot: tuple[Path, frozenset[Any], Snapshot] | None = None
         self._pass_fds: tuple[int, ...] = ()
         self._shell_limits: str | None = None
+        self._shell_std: set[str] = set()  # what the shell's fds 0-2 were at its start
+        #: Why the last reset restarted the sandbox's processes instead of cleaning the
+        #: shell in place (``None``: in place).
+        self.reset_restarted: str | None = None
         self.restarts = 0
         #: The pool this sandbox came from; its forks come from there too.
         self.pool: SandboxPool | None = None
@@ -688,17 +692,25 @@ class Sandbox:
             captured, found, leftovers = out.rpartition(f"\n{_LEFTOVERS}\n")
             # After a raw internal line: the copy of its input bash keeps while an eval'd
             # command's stdin is redirected is closed by now.
-            if found and self._shell_dirty() is None:
+            dirty = self._shell_dirty() if found else "no leftovers report"
+            self.reset_restarted = dirty
+            if dirty is None:
                 options = _FRESH_OPTIONS.get(self.isolated)
-                if (
-                    options is not None
-                    and not _shadows_builtins(captured)
-                    and not any(line.startswith("ipc") for line in leftovers.splitlines())
-                ):
-                    with contextlib.suppress(ValueError):  # not what CAPTURE_SCRIPT prints
+                ipc = any(line.startswith("ipc") for line in leftovers.splitlines())
+                shadows = _shadows_builtins(captured)
+                if options is None or shadows or ipc:
+                    self.reset_restarted = (
+                        "a function named after a builtin" if shadows
+                        else "System V IPC objects" if ipc
+                        else "no fresh shell's options known"
+                    )  # fmt: skip
+                else:
+                    try:
                         script = clean_script(
                             captured, self._shell_env(), options, self._shell_cwd()
                         )
+                    except ValueError:  # not what CAPTURE_SCRIPT prints
+                        self.reset_restarted = "a state report it could not read"
                     disabled = [line.split()[-1] for line in leftovers.splitlines()
                                 if line.startswith("enable -n ")]  # fmt: skip
                     if script is not None and disabled:
@@ -859,7 +871,7 @@ class Sandbox:
         if pid is None:
             return None
         try:
-            fds = _extra_fds(pid)
+            fds = _extra_fds(pid, self._shell_std)
             limits = _limits_of(pid)
         except OSError:
             return "the shell is gone"
@@ -1028,6 +1040,7 @@ class Sandbox:
             self._shell_pid = children[0]
         if self._shell_pid is not None:
             self._shell_limits = _limits_of(self._shell_pid)
+            self._shell_std = _std_pipes(self._shell_pid)
         if self.isolated not in _FRESH_OPTIONS:
             _FRESH_OPTIONS[self.isolated] = (await shell.run_internal(OPTIONS_SCRIPT))[1]
 
@@ -1190,11 +1203,21 @@ def _shadows_builtins(captured: str) -> bool:
     return any(name in _BUILTINS for name in _FUNCTION_LINE.findall(captured))
 
 
-def _extra_fds(pid: int) -> list[int]:
-    """Descriptors ``pid`` (a shell) holds beyond its stdin, stdout and stderr: bash's own
-    copy of its input pipe (it moves it to fd 10 or so) is not one."""
+def _std_pipes(pid: int) -> set[str]:
+    """What ``pid``'s descriptors 0-2 are (``pipe:[N]``); empty if it is gone."""
+    try:
+        return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (0, 1, 2)}
+    except OSError:
+        return set()
+
+
+def _extra_fds(pid: int, started_with: set[str]) -> list[int]:
+    """Descriptors ``pid`` (a shell) holds beyond its stdin, stdout and stderr, now or as
+    it started: bash's own copies of them are not (its input pipe, moved to fd 10 or so;
+    the stdout it saves around ``printf ... >&2``, which it may not have put back yet when
+    the marker that line prints has already arrived)."""
     where = f"/proc/{pid}/fd"
-    std = {os.readlink(f"{where}/{fd}") for fd in (0, 1, 2)}
+    std = {os.readlink(f"{where}/{fd}") for fd in (0, 1, 2)} | started_with
     extra = []
     for name in os.listdir(where):
         with contextlib.suppress(FileNotFoundError):
