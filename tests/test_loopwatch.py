@@ -274,15 +274,21 @@ async def test_envport_serve_interrupts_a_blocked_step_and_serves_the_others(
     assert "Interrupting the environment call that blocks the loop" in log
 
 
-async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path: Path) -> None:
+async def serve_until_a_step_ends_it(tmp_path: Path, message: str, wait_s: float) -> int:
+    """``envport serve`` with short stall limits, sent one step that blocks for good: the
+    process's exit status once it is gone (within ``wait_s``: no hang)."""
     options = ("--call-timeout", "0.5", "--stall-warn", "0.2", "--stall-exit", "1")
     with envport_serve(tmp_path, *options) as (url, proc):
         async with connect(ws_url(url)) as ws:
             await ask(ws, {"type": "reset"})
-            await ws.send(json.dumps(step("loop_stuck")))
+            await ws.send(json.dumps(step(message)))
             with pytest.raises(ConnectionClosed):  # the process is gone: no hang
-                await asyncio.wait_for(ws.recv(), 30)
-        assert proc.wait(30) == EXIT_STALLED
+                await asyncio.wait_for(ws.recv(), wait_s)
+        return proc.wait(30)
+
+
+async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path: Path) -> None:
+    assert await serve_until_a_step_ends_it(tmp_path, "loop_stuck", 30) == EXIT_STALLED
     log = (tmp_path / "serve.log").read_text()
     assert "did not let go when interrupted; exiting (status 70)" in log
     assert "loop_stuck" in log or "faulty_envs.py" in log
@@ -291,14 +297,7 @@ async def test_envport_serve_exits_when_a_stalled_call_will_not_let_go(tmp_path:
 async def test_envport_serve_exits_when_c_code_holds_the_gil(tmp_path: Path) -> None:
     """C code that never lets go of the GIL stops the watchdog thread too; faulthandler's
     timer (a C thread) notices that no Python ran and ends the process with the stacks."""
-    options = ("--call-timeout", "0.5", "--stall-warn", "0.2", "--stall-exit", "1")
-    with envport_serve(tmp_path, *options) as (url, proc):
-        async with connect(ws_url(url)) as ws:
-            await ask(ws, {"type": "reset"})
-            await ws.send(json.dumps(step("gil_stuck")))
-            with pytest.raises(ConnectionClosed):  # the process is gone: no hang
-                await asyncio.wait_for(ws.recv(), 60)
-        assert proc.wait(30) == 1
+    assert await serve_until_a_step_ends_it(tmp_path, "gil_stuck", 60) == 1
     log = (tmp_path / "serve.log").read_text()
     assert "Timeout (0:00:0" in log  # faulthandler's dump, from BACKSTOP_MIN_S + 0.25 s
     assert "in on_step" in log

@@ -250,8 +250,7 @@ class WebSocketTransport:
                             f"The server sent a frame that is not a JSON object: {raw[:200]!r}"
                         ) from None
                     if not self.extended:
-                        if self._unanswered:
-                            self._unanswered -= 1
+                        if self._skip_owed():
                             continue
                         return reply
                     if rid == want or want is None:
@@ -259,9 +258,7 @@ class WebSocketTransport:
                             self._abandoned.clear()  # answered in order: all before it were
                         return reply
                     if rid is None:
-                        if self._abandoned:
-                            self._abandoned.popleft()  # the oldest abandoned one's reply
-                        elif reply.get("type") == "error":
+                        if not self._skip_owed() and reply.get("type") == "error":
                             return reply
                     elif rid in self._abandoned:
                         while self._abandoned.popleft() != rid:

@@ -486,14 +486,18 @@ class Gateway:
                     error_code="trace_not_stored",
                     retry_after_s=1.0,
                 ) from exc
+        self._finished_now(rollout, trace)
+        return trace
+
+    def _finished_now(self, rollout: Rollout, trace: Trace) -> None:
+        """``rollout``'s trace is stored (or there is no store): it is finished."""
         rollout.state = RolloutState.FINISHED
-        del self.rollouts[rollout_id]
-        self.pool.forget(rollout_id)
-        self._finished[rollout_id] = trace if self.store is None else None
+        self.rollouts.pop(rollout.rollout_id, None)
+        self.pool.forget(rollout.rollout_id)
+        self._finished[rollout.rollout_id] = trace if self.store is None else None
         while len(self._finished) > self.keep_finished:
             self._finished.popitem(last=False)
         self.counters["rollouts_finished"] += 1
-        return trace
 
     async def _store_kept(self, rollout: Rollout) -> None:
         """Store the trace a failed store left on ``rollout``, as its finish built it."""
@@ -508,10 +512,8 @@ class Gateway:
                 exc,
             )
             return
-        rollout.unstored = None
-        rollout.state = RolloutState.FINISHED
-        self.rollouts.pop(rollout.rollout_id, None)
-        self.counters["rollouts_finished"] += 1
+        trace, rollout.unstored = rollout.unstored, None
+        self._finished_now(rollout, trace)
 
     def _unregister(self, traces: list[Trace]) -> None:
         """In the trace writer's thread, after ``traces`` were stored: their rollouts are
