@@ -300,8 +300,13 @@ PROC_WRITES = (
     "for f in vm/swappiness kernel/core_pattern; do v=$(cat /proc/sys/$f) || exit 9; "
     'if printf \'%s\\n\' "$v" > /proc/sys/$f; then echo "$f: written"; fi; done; '
     "[ -w /proc/sysrq-trigger ] && echo 'sysrq: writable'; "
-    "for f in kcore keys timer_list sched_debug kallsyms; do "
+    "for f in kcore keys key-users timer_list sched_debug kallsyms kmsg kpagecount kpageflags "
+    "kpagecgroup; do "
     '[ -n "$(head -c 64 /proc/$f 2>/dev/null)" ] && echo "$f: readable"; done; '
+    "for d in sys irq bus fs driver; do [ -e /proc/$d ] || continue; "
+    "awk -v d=/proc/$d '$5 == d && $6 !~ /^ro(,|$)/ {print d \": writable mount\"}' "
+    "/proc/self/mountinfo; grep -q \" /proc/$d \" /proc/self/mountinfo || "
+    'echo "$d: not a mount"; done; '
     "cat /proc/sys/kernel/ostype"
 )
 
