@@ -1492,6 +1492,58 @@ async def test_an_agent_leaving_a_non_streamed_call_closes_upstream_and_is_recor
     assert stats["call_errors"] == 1
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["envport-server", "uvicorn"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_an_agent_leaving_while_the_gateway_is_paused_is_never_forwarded(
+    upstream: tuple[str, Any], lean: bool, stream: bool
+) -> None:
+    """A call waiting at the pause gate whose agent walks away leaves the queue then: after
+    the resume it is not sent upstream, and no call the agent never saw enters its trace
+    (a trainer would train on it); the rollout records the agent's leaving."""
+    gateway = Gateway([upstream[0]], retry=FAST_RETRY)
+    with serve_in_thread(create_gateway_app(gateway), lean=lean) as url:
+        served = Served(gateway, url)
+        ro = await served.rollout()
+        await served.admin.post("/admin/pause", json={"drain": False})
+        host, port = url.removeprefix("http://").split(":")
+        body = orjson.dumps({"model": "m", "messages": ASK, "stream": stream})
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /rollouts/%s/v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
+            b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s"
+            % (ro["rollout_id"].encode(), ro["token"].encode(), len(body), body)
+        )
+
+        async def waiting(n: int) -> Any:
+            async def check() -> bool:
+                return (await served.stats())["waiting"] == n
+
+            return check
+
+        await wait_for(await waiting(1))
+        async with served.client(ro) as client:
+            # another call waits beside it, and stays
+            stays = asyncio.create_task(
+                client.chat.completions.create(model="m", messages=ASK, stream=stream)
+            )
+            await wait_for(await waiting(2))
+            writer.close()  # the agent leaves while the gateway is paused
+            await wait_for(await waiting(1))
+            await served.admin.post("/admin/resume", json={"policy_version": 2})
+            answer = await stays
+            if stream:
+                assert [chunk async for chunk in answer]
+            await client.chat.completions.create(model="m", messages=ASK)
+        view = await served.view(ro["rollout_id"])
+        stats = await served.stats()
+        await served.admin.aclose()
+    assert [c["policy_version"] for c in view["model_calls"]] == [2, 2]
+    assert [e["kind"] for e in view["errors"]] == ["harness"]
+    assert "paused" in view["errors"][0]["message"]
+    assert stats["in_flight"] == 0
+    assert stats["upstreams"][0]["requests"] == 2, stats
+
+
 # --- the hot path: raw ASGI dispatch, lazy records, background writes ---------------------------
 
 

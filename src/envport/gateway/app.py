@@ -663,6 +663,9 @@ class Gateway:
             return error.response(api.dialect), None
         forwarded = self.policy.apply(chat_body, api.parse_as)
         stream = forwarded.get("stream") is True
+        # Paused, a call may wait long: an agent that leaves meanwhile takes its call
+        # out of the queue (forwarded after the resume, it would enter the trace unseen).
+        gate_watch = _AgentWatch(scope, receive) if self.gate.paused and scope else None
         try:
             version = await self.gate.enter(self.pause_wait_s)
         except PausedError as exc:
@@ -670,6 +673,21 @@ class Gateway:
                 TraceError(kind=ErrorKind.INFRASTRUCTURE, message=exc.message, where="gateway")
             )
             return exc.response(api.dialect), None
+        except asyncio.CancelledError as exc:
+            if gate_watch is None or not gate_watch.left(exc):
+                raise
+            rollout.errors.append(
+                TraceError(
+                    kind=ErrorKind.HARNESS,
+                    message="The agent disconnected while its call waited for the paused "
+                    "gateway to resume; the call was not forwarded.",
+                    where="gateway",
+                )
+            )
+            return _nothing, None
+        finally:
+            if gate_watch is not None:
+                gate_watch.stop()
         if rollout.state is not RolloutState.LIVE:
             # finished while this call waited at the gate: its trace is closed (and
             # stored), its token revoked; forwarding it would record it nowhere
