@@ -594,6 +594,52 @@ def test_a_store_locked_past_the_busy_timeout_is_a_lock_error(tmp_path: Path) ->
         assert store.count() == 0
 
 
+_FULL_DISK_WRITER = """
+import os, resource, signal, sys
+from envport.trace import SQLiteTraceStore, Trace, TraceStatus, TraceStoreError
+
+path = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+store = SQLiteTraceStore(path)
+store.put(Trace(trace_id="first", status=TraceStatus.COMPLETED, reward=1.0))
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path + "-wal") + 500_000, hard))
+big = [Trace(trace_id=f"big{i}", metadata={"x": "y" * 300_000}) for i in range(20)]
+try:
+    store.put_many(big)
+    print("stored")
+except TraceStoreError as exc:
+    print("error:", exc)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+print("count:", store.count())
+store.put_many(big[:2])  # the store is usable once there is room again
+print("count:", store.count())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE and SIGXFSZ as on Linux")
+def test_a_write_that_runs_out_of_disk_reports_the_disk_error(tmp_path: Path) -> None:
+    # A file-size limit makes the disk "full" for one real process. SQLite rolls the
+    # transaction back by itself on such an I/O error; the store's own ROLLBACK then
+    # failed, and the user read "cannot rollback - no transaction is active" instead.
+    db = tmp_path / "full.db"
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_WRITER, str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("error: write to trace store"), lines
+    assert "disk I/O error" in lines[0] or "disk is full" in lines[0], lines[0]
+    assert "cannot rollback" not in lines[0]
+    assert lines[1:] == ["count: 1", "count: 3"]  # nothing half-written, nothing stuck
+    with SQLiteTraceStore(db) as store:
+        assert sorted(t.trace_id for t in store.query()) == ["big0", "big1", "first"]
+
+
 async def test_async_store_from_asyncio(tmp_path: Path) -> None:
     async with AsyncTraceStore(store_at(tmp_path)) as store:
         await asyncio.gather(*(store.put(Trace(trace_id=f"a{i}", run_id="r")) for i in range(20)))

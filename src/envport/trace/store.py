@@ -36,6 +36,7 @@ creating one new store at once); a lock held longer is a :class:`TraceStoreLocke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import json
@@ -571,20 +572,34 @@ class SQLiteTraceStore:
         return self._conn
 
     def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn(conn)`` in one IMMEDIATE transaction, under the lock."""
+        """Run ``fn(conn)`` in one IMMEDIATE transaction, under the lock.
+
+        On some errors (a full disk, an I/O error) SQLite has already rolled the
+        transaction back by itself; the rollback here is then skipped, so the error
+        reported is the one that happened, not "no transaction is active".
+        """
         with self._lock:
             conn = self._db()
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     result = fn(conn)
+                    conn.execute("COMMIT")
                 except BaseException:
-                    conn.execute("ROLLBACK")
+                    self._rollback(conn)
                     raise
-                conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 raise TraceStoreError(f"write to trace store {self.path!r} failed: {exc}") from exc
             return result
+
+    @staticmethod
+    def _rollback(conn: sqlite3.Connection) -> None:
+        """Roll back the transaction if one is still open; a failure here never hides
+        the error that led to it."""
+        if not conn.in_transaction:
+            return
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
 
     def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         with self._lock:
