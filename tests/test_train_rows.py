@@ -374,6 +374,51 @@ def test_a_row_that_sampled_nothing_is_dropped_with_its_label() -> None:
     assert row.num_turns == 3
 
 
+def test_a_call_with_several_choices_trains_the_one_the_rollout_went_on_with() -> None:
+    """n > 1: the harness went on with choice 1. Choice 0 (never continued) used to be
+    the row's tokens, trained with the rollout's reward, and the next call split off
+    as retokenization_drift; the choice taken was never trained on."""
+    trace = rollout(THREE_TURNS)
+    c0, c1, c2 = trace.model_calls
+    other = [*TOK.encode("Some other answer."), IM_END_ID]
+    taken = c0.choices[0].model_copy(update={"index": 1})
+    c0.choices = [
+        Choice(
+            index=0,
+            finish_reason="stop",
+            completion_token_ids=other,
+            completion_logprobs=lps(len(other), 5),
+        ),
+        taken,
+    ]
+    result = build_rows(trace)
+    (row,) = result.rows
+    assert row.split_reason is None
+    assert row.num_turns == 3
+    assert row.sampled_ids == [*(taken.completion_token_ids or []), *sampled(c1), *sampled(c2)]
+    assert row.prompt_ids + row.completion_ids == [*(c2.prompt_token_ids or []), *sampled(c2)]
+    assert row.metadata["finish_reasons"] == ["tool_calls", "tool_calls", "stop"]
+    assert result.counts["unused_choices"] == 1
+    assert result.counts["retokenization_drift"] == 0
+
+    # The last call: no later prompt tells; the conversation's last branch does.
+    final = sampled(c2)
+    alt = [*TOK.encode("The number is 99."), IM_END_ID]
+    c2.choices = [
+        Choice(
+            index=0,
+            finish_reason="length",
+            completion_token_ids=alt,
+            completion_logprobs=lps(len(alt), 6),
+        ),
+        c2.choices[0].model_copy(update={"index": 1}),  # its message is the last one
+    ]
+    (row,) = build_rows(trace).rows
+    assert row.completion_ids[row.spans[-1][0] :] == final
+    assert row.metadata["finish_reasons"][-1] == "stop"
+    assert not row.truncated
+
+
 def retry_of(call: ModelCall, ids: list[int]) -> ModelCall:
     """The same prompt sent again, answered with ``ids``."""
     return ModelCall(

@@ -6,12 +6,15 @@ or template tokens the policy did not sample) and the sampler's ``logprobs`` ali
 one to one. Nothing is re-tokenized: every id comes from a :class:`ModelCall` as the
 model server returned it.
 
-**Merging.** The model calls of one rollout (choice 0 of each) merge into a single row
-while each call's ``prompt_token_ids`` start exactly with the row so far (the previous
-prompt + everything after it). The ids the new prompt adds beyond that (a tool result,
-the next turn's header) become mask-0 completion tokens; the call's own completion
-follows with mask 1. This holds for a chat template with the prefix property (see
-:mod:`envport.policy.tokenizer`) when the client echoes history unchanged.
+**Merging.** The model calls of one rollout merge into a single row while each call's
+``prompt_token_ids`` start exactly with the row so far (the previous prompt + everything
+after it). The ids the new prompt adds beyond that (a tool result, the next turn's
+header) become mask-0 completion tokens; the call's own completion follows with mask 1.
+This holds for a chat template with the prefix property (see
+:mod:`envport.policy.tokenizer`) when the client echoes history unchanged. Of a call
+with several choices (``n > 1``) the row takes the one the rollout went on with: the one
+the next call's prompt continues, else the one whose message is on the conversation's
+last branch, else choice 0; the others are counted as ``unused_choices``.
 
 **Splits are labelled, never silent.** When a call cannot extend the row, the row ends
 and the next usable call starts a fresh row (a *fragment*). Each fragment's
@@ -246,6 +249,7 @@ class _Open:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     calls: list[ModelCall] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)  # of each call's choice
     spans: list[tuple[int, int]] = field(default_factory=list)
     last_prompt_len: int = 0
     ended_by: str | None = None  # why the rollout's next call is not in this row
@@ -268,6 +272,7 @@ class _Open:
         self.logprobs += list(lps)
         self.spans.append((start, len(self.completion_ids)))
         self.calls.append(call)
+        self.finish_reasons.append(choice.finish_reason)
         self.last_prompt_len = len(call.prompt_token_ids or [])
 
     def rewind(self, length: int) -> list[ModelCall]:
@@ -279,18 +284,55 @@ class _Open:
         abandoned = self.calls[keep:]
         end = self.spans[keep - 1][1] if keep else 0
         del self.completion_ids[end:], self.mask[end:], self.logprobs[end:]
-        del self.calls[keep:], self.spans[keep:]
+        del self.calls[keep:], self.spans[keep:], self.finish_reasons[keep:]
         if self.calls:
             self.last_prompt_len = len(self.calls[-1].prompt_token_ids or [])
         self.retried = True
         return abandoned
 
 
-def _usable(call: ModelCall) -> tuple[Choice | None, str | None]:
-    """Choice 0 of ``call`` if it can be trained on, else the reason it cannot."""
-    if not call.choices or not call.prompt_token_ids:
+def _continued(trace: Trace) -> dict[str, Choice]:
+    """``call id -> the choice the rollout went on with``, for every call with a choice.
+
+    A call with one choice gives it. Of several (``n > 1``: the harness picked one), it
+    is the one whose tokens the next call's prompt continues (that prompt starts with
+    this call's prompt and the choice's ids; the longest such choice), else the one
+    whose message is on the conversation's last branch, else choice 0.
+    """
+    calls = [c for c in trace.model_calls if c.choices]
+    on_path: set[str] | None = None  # the last branch's messages, found when needed
+    out: dict[str, Choice] = {}
+    for i, call in enumerate(calls):
+        out[call.id] = call.choices[0]
+        if len(call.choices) == 1:
+            continue
+        prompt = call.prompt_token_ids or []
+        after = next((c.prompt_token_ids for c in calls[i + 1 :] if c.prompt_token_ids), None)
+        if prompt and after:
+            extends = [
+                c
+                for c in call.choices
+                if c.completion_token_ids is not None
+                and after[: len(prompt) + len(c.completion_token_ids)]
+                == prompt + c.completion_token_ids
+            ]
+            if extends:
+                out[call.id] = max(extends, key=lambda c: len(c.completion_token_ids or ()))
+                continue
+        if on_path is None:
+            leaves = trace.leaves()
+            on_path = {m.id for m in trace.path(leaves[-1].id)} if leaves else set()
+        kept = next((c for c in call.choices if c.message_id and c.message_id in on_path), None)
+        if kept is not None:
+            out[call.id] = kept
+    return out
+
+
+def _usable(call: ModelCall, choice: Choice | None) -> tuple[Choice | None, str | None]:
+    """``choice`` (the one the rollout went on with) if it can be trained on, else the
+    reason it cannot."""
+    if choice is None or not call.prompt_token_ids:
         return None, MISSING_TOKEN_IDS
-    choice = call.choices[0]
     if choice.completion_token_ids is None:
         return None, MISSING_TOKEN_IDS
     lps = choice.completion_logprobs
@@ -335,7 +377,7 @@ def _step_calls(trace: Trace) -> dict[int, str]:
     by_tool_call: dict[str, str] = {}
     message_call = {m.id: m.model_call_id for m in trace.messages if m.model_call_id}
     for call in trace.model_calls:
-        for choice in call.choices[:1]:
+        for choice in call.choices:
             if choice.message_id:
                 message_call.setdefault(choice.message_id, call.id)
     for message in trace.messages:
@@ -401,10 +443,11 @@ def build_rows(
     current: _Open | None = None
     pending: str | None = None  # why the next fragment starts
     retried = False  # the next fragment replaces one a retry abandoned whole
+    continued = _continued(trace)
     for call in trace.model_calls:
         if call.error is not None and not call.choices:
             continue  # a call that failed (its error is recorded): nothing was generated
-        choice, problem = _usable(call)
+        choice, problem = _usable(call, continued.get(call.id))
         if choice is None:
             assert problem is not None
             result.dropped.append((tid, problem))
@@ -502,7 +545,7 @@ def _finish(trace: Trace, f: _Open, index: int, total: int) -> TrainingRow:
         "run_id": trace.run_id,
         "env_id": trace.env_id,
         "attempt": trace.attempt,
-        "finish_reasons": [c.finish_reason for c in f.calls],
+        "finish_reasons": list(f.finish_reasons),
     }
     if truncated:
         metadata["truncated_by"] = "finish_reason_length"
