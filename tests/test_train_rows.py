@@ -374,6 +374,24 @@ def test_a_row_that_sampled_nothing_is_dropped_with_its_label() -> None:
     assert row.num_turns == 3
 
 
+def test_an_empty_last_completion_leaves_no_unsampled_tail() -> None:
+    """The last call sampled nothing: its prompt's new ids (the tool result, the next
+    turn's header) used to end the row, so the reward sat on a header token the policy
+    never sampled (and TRL saw a completion not ending in EOS: "clipped"). The row now
+    ends on the last token sampled, without that call."""
+    trace = rollout(THREE_TURNS, completion_ids={2: []})
+    c0, c1, _ = trace.model_calls
+    (row,) = build_rows(trace).rows
+    assert row.mask[-1] == 1
+    assert row.completion_ids[-1] == IM_END_ID
+    assert row.prompt_ids + row.completion_ids == [*(c1.prompt_token_ids or []), *sampled(c1)]
+    assert_token_exact(row, [c0, c1])
+    assert row.call_ids == [c0.id, c1.id]
+    assert row.metadata["finish_reasons"] == ["tool_calls", "tool_calls"]
+    assert row.token_rewards()[row.reward_index] == 1.0
+    assert row.mask[row.reward_index] == 1
+
+
 def test_a_call_with_several_choices_trains_the_one_the_rollout_went_on_with() -> None:
     """n > 1: the harness went on with choice 1. Choice 0 (never continued) used to be
     the row's tokens, trained with the rollout's reward, and the next call split off

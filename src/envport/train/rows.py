@@ -14,7 +14,9 @@ This holds for a chat template with the prefix property (see
 :mod:`envport.policy.tokenizer`) when the client echoes history unchanged. Of a call
 with several choices (``n > 1``) the row takes the one the rollout went on with: the one
 the next call's prompt continues, else the one whose message is on the conversation's
-last branch, else choice 0; the others are counted as ``unused_choices``.
+last branch, else choice 0; the others are counted as ``unused_choices``. A row ends on
+its last sampled token: a last call that sampled nothing leaves the row, and so do the
+ids its prompt added.
 
 **Splits are labelled, never silent.** When a call cannot extend the row, the row ends
 and the next usable call starts a fresh row (a *fragment*). Each fragment's
@@ -290,6 +292,20 @@ class _Open:
         self.retried = True
         return abandoned
 
+    def trim(self) -> None:
+        """Drop the mask-0 ids after the last sampled one: a row ends on a sampled token,
+        where its reward goes. An empty last completion leaves its prompt's new ids (a
+        tool result, the next turn's header) there, which nothing samples or follows;
+        that call, which added nothing to train on, leaves the row with them."""
+        end = len(self.mask)
+        while end and not self.mask[end - 1]:
+            end -= 1
+        if end in (0, len(self.mask)):  # nothing sampled (dropped later), or nothing to drop
+            return
+        del self.completion_ids[end:], self.mask[end:], self.logprobs[end:]
+        keep = sum(1 for start, _ in self.spans if start <= end)
+        del self.calls[keep:], self.spans[keep:], self.finish_reasons[keep:]
+
 
 def _continued(trace: Trace) -> dict[str, Choice]:
     """``call id -> the choice the rollout went on with``, for every call with a choice.
@@ -522,6 +538,7 @@ def build_rows(
 
 
 def _finish(trace: Trace, f: _Open, index: int, total: int) -> TrainingRow:
+    f.trim()
     # A fragment is labelled with why it began and why it ended; the first one's
     # split_reason is why it ended (a lost tail makes even a lone row a fragment).
     split_reason = f.split_reason if index > 0 else f.ended_by
