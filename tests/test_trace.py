@@ -54,6 +54,7 @@ from envport.trace import (
     write_parquet,
 )
 from envport.trace.schema import render_schema
+from envport.trace.store import RolloutRecord
 from tests.support.cli import envport_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -469,6 +470,37 @@ def test_store_queries_by_run_task_status_and_reward(tmp_path: Path) -> None:
             store.query(status="done")
         assert [t.trace_id for t in store.iter_traces(batch_size=3)] == sorted(by_id)
         assert len(list(store.iter_traces(run_id="run-b", batch_size=4))) == 8
+
+
+def test_text_that_is_not_unicode_is_stored_as_replacement_characters(tmp_path: Path) -> None:
+    # os.fsdecode (surrogateescape) makes a file name that is not UTF-8 a lone surrogate.
+    # An in-process env that listed such a file made its trace unstorable: the store
+    # raised PydanticSerializationError, and the controller's task group took the whole
+    # eval down with it, the rollout left in "scoring" and its trace lost.
+    name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+    trace = Trace(trace_id="t", run_id="r", status=TraceStatus.COMPLETED, reward=1.0)
+    trace.reply("user", f"open {name}")
+    trace.steps.append(StepRecord(index=0, observation={"files": [name]}, info={name: 1}))
+    with store_at(tmp_path) as store:
+        store.put(trace)
+        back = store.get("t")
+        assert back.messages[0].content == "open caf\ufffd.txt"
+        assert back.steps[0].observation == {"files": ["caf\ufffd.txt"]}
+        assert back.steps[0].info == {"caf\ufffd.txt": 1}
+        assert back.reward == 1.0
+        # The controller's path: the final trace and the rollout's state in one write.
+        store.ensure_rollout(RolloutRecord(rollout_id=trace.rollout_id, run_id="r"))
+        store.finish_rollout(trace.rollout_id, expect="pending", trace=trace, state="succeeded")
+        assert store.get_rollout(trace.rollout_id).trace_id == "t"
+        for suffix in (".jsonl", ".parquet"):
+            assert export_traces(store, tmp_path / f"out{suffix}") == 1
+            (read,) = (read_jsonl if suffix == ".jsonl" else read_parquet)(
+                tmp_path / f"out{suffix}"
+            )
+            assert read == back
+    assert trace.steps[0].observation == {"files": [name]}  # the trace itself is unchanged
+    with pytest.raises(Exception, match="serializ"):  # what is not JSON at all still fails
+        Trace(metadata={"x": object()}).to_json()
 
 
 def test_store_runs(tmp_path: Path) -> None:

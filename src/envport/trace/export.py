@@ -52,7 +52,7 @@ def write_jsonl(traces: Iterable[Trace], path: str | Path) -> int:
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for trace in traces:
-            f.write(trace.model_dump_json())
+            f.write(trace.to_json())
             f.write("\n")
             n += 1
     return n
@@ -136,7 +136,7 @@ def _row(trace: Trace) -> dict[str, Any]:
         "policy_version": None if pv is None else str(pv),
         "created_at": trace.created_at,
         "schema_version": trace.schema_version,
-        "body": trace.model_dump_json(),
+        "body": trace.to_json(),
     }
 
 

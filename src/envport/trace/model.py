@@ -36,10 +36,16 @@ float type to restore: a non-finite float in them is written as the same string 
 reads back as that string (``float("nan")`` in ``metadata`` comes back as ``"NaN"``).
 Traces are never refused for it (a failed rollout's data is kept), and what was stored
 stays readable; put a non-finite number that must stay a number in ``metrics``.
+
+Text that is not valid Unicode (a lone surrogate, as ``os.fsdecode`` or
+``errors="surrogateescape"`` makes of bytes that are not UTF-8: a file name an
+environment listed, say) cannot be JSON. :meth:`Trace.to_json`, which the store and the
+exports use, writes each such code point as U+FFFD rather than refuse the trace.
 """
 
 from __future__ import annotations
 
+import re
 import traceback as tb
 import uuid
 from collections.abc import Iterator
@@ -55,6 +61,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticSerializationError
 
 #: Version of the trace format this code writes. Bump it on any incompatible change
 #: and teach :meth:`Trace.model_validate` (via ``_upgrade``) to read the old one.
@@ -75,6 +82,20 @@ JSONSeconds = Annotated[
     Field(ge=0),
     WithJsonSchema({"anyOf": [{"type": "number", "minimum": 0}, {"const": "Infinity"}]}),
 ]
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _scrub_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings (dict keys too) made U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_scrub_surrogates(k): _scrub_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_scrub_surrogates(v) for v in value]
+    return value
 
 
 def _new_id() -> str:
@@ -463,7 +484,15 @@ class Trace(_Model):
     # --- serialisation ---------------------------------------------------------------
 
     def to_json(self) -> str:
-        return self.model_dump_json()
+        """The trace as JSON; a lone surrogate anywhere in it is written as U+FFFD."""
+        try:
+            return self.model_dump_json()
+        except PydanticSerializationError:
+            data = self.model_dump()
+            clean = _scrub_surrogates(data)
+            if clean == data:
+                raise  # not a surrogate: something in a free-form field is not JSON
+            return type(self).model_validate(clean).model_dump_json()
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Trace:

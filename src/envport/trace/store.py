@@ -639,7 +639,7 @@ class SQLiteTraceStore:
                 trace.schema_version,
                 _ts(trace.created_at),
                 now,
-                trace.model_dump_json(),
+                trace.to_json(),
             ),
         )
 
