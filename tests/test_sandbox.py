@@ -305,7 +305,7 @@ PROC_WRITES = (
     '[ -n "$(head -c 64 /proc/$f 2>/dev/null)" ] && echo "$f: readable"; done; '
     "for d in sys irq bus fs driver; do [ -e /proc/$d ] || continue; "
     "awk -v d=/proc/$d '$5 == d && $6 !~ /^ro(,|$)/ {print d \": writable mount\"}' "
-    "/proc/self/mountinfo; grep -q \" /proc/$d \" /proc/self/mountinfo || "
+    '/proc/self/mountinfo; grep -q " /proc/$d " /proc/self/mountinfo || '
     'echo "$d: not a mount"; done; '
     "cat /proc/sys/kernel/ostype"
 )

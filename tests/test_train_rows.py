@@ -723,3 +723,34 @@ async def test_real_multi_turn_eval_rows_match_the_server(model_url: str, tmp_pa
         assert all(row.mask[i] == 1 for i, _ in row.step_rewards)
         assert row.reward == trace.reward == 1.0
     assert multi_turn >= 3
+
+
+def test_exports_follow_the_choice_taken_and_count_greedy_calls_at_temperature_one() -> None:
+    """ART's turn carries the finish reason of the choice the rollout went on with (not
+    choice 0's), and prime-rl's per-token temperature of a greedy call is 1.0, as
+    envport's own trainer takes it (a trainer divides the logits by it)."""
+    from envport.train import art_trajectory_groups, to_record
+
+    trace = rollout(THREE_TURNS)
+    _, c1, c2 = trace.model_calls
+    c1.sampling = SamplingParams(temperature=0.0)
+    alt = [*TOK.encode("The number is 99."), IM_END_ID]
+    c2.choices = [
+        Choice(
+            index=0,
+            finish_reason="length",
+            completion_token_ids=alt,
+            completion_logprobs=lps(len(alt), 6),
+        ),
+        c2.choices[0].model_copy(update={"index": 1}),  # its message is the last one
+    ]
+    (row,) = build_rows(trace).rows
+    temps = to_record(row, "prime-rl")["completion_temperatures"]
+    assert len(temps) == len(row.completion_ids)
+    (lo, hi) = row.spans[1]
+    assert temps[lo:hi] == [1.0] * (hi - lo)
+    assert temps[: row.spans[0][1]] == [0.7] * row.spans[0][1]
+    (group,) = art_trajectory_groups([trace])
+    (trajectory,) = group["trajectories"]
+    turns = [m for m in trajectory["messages_and_choices"] if "finish_reason" in m]
+    assert [t["finish_reason"] for t in turns] == ["tool_calls", "tool_calls", "stop"]

@@ -14,13 +14,14 @@ Parquet).
 trainer): ``prompt_ids``, ``prompt_mask`` (all false: prompts are not trained on),
 ``completion_ids``, ``completion_mask`` (bool), ``completion_logprobs``,
 ``completion_temperatures`` (per token, from each call's sampling temperature, 1.0 when
-the call sent none, as vLLM defaults), ``env_name``, ``advantage``, ``reward``. prime-rl
-moves these over its own transport (msgpack over files or ZMQ), not from Parquet; this
-export is those columns for a bridge to fill its structs from. Assumption: the field
-set is the one read from public copies of that file; it has changed between releases
-(one variant flattens the sequence into ``token_ids``/``mask``/``logprobs``), so check
-it against the prime-rl version in use. Rows without logprobs cannot be written in
-this shape (``completion_logprobs`` is required there).
+the call sent none, as vLLM defaults, or sampled greedily), ``env_name``, ``advantage``,
+``reward``. prime-rl moves these over its own transport (msgpack over files or ZMQ), not
+from Parquet; this export is those columns for a bridge to fill its structs from.
+Assumption: the field set is the one read from public copies of that file; it has
+changed between releases (one variant flattens the sequence into
+``token_ids``/``mask``/``logprobs``), so check it against the prime-rl version in use.
+Rows without logprobs cannot be written in this shape (``completion_logprobs`` is
+required there).
 
 ``shape="art"``: OpenPipe ART trains from ``Trajectory`` objects (messages and choices)
 and tokenizes them itself, reading exact ids where the choices carry vLLM's token
@@ -82,10 +83,14 @@ def _envport(row: TrainingRow) -> dict[str, Any]:
 
 
 def _token_temperatures(row: TrainingRow) -> list[float]:
-    """Each completion token's temperature: its call's (gap tokens take the next call's)."""
+    """Each completion token's temperature: its call's (gap tokens take the next call's).
+
+    A greedy call (temperature 0, or none given) counts as 1.0, as in
+    :func:`envport.train.grpo.pack`: its logprobs are the plain logits' (a trainer
+    divides the logits by this number)."""
     out: list[float] = []
     for (_, end), temp in zip(row.spans, row.temperatures, strict=True):
-        out += [1.0 if temp is None else temp] * (end - len(out))
+        out += [temp if temp is not None and temp > 0 else 1.0] * (end - len(out))
     return out + [out[-1] if out else 1.0] * (len(row.completion_ids) - len(out))
 
 
@@ -368,14 +373,17 @@ def art_trajectory(trace: Trace, rows: Iterable[TrainingRow]) -> dict[str, Any]:
     """
     rows = list(rows)
     exact = _exact_calls(rows)
-    finish = {c.id: c.finish_reason for c in trace.model_calls}
+    # the finish reason of the choice each assistant turn is (n > 1: not always choice 0)
+    finish = {ch.message_id: ch.finish_reason for c in trace.model_calls for ch in c.choices}
+    call_finish = {c.id: c.finish_reason for c in trace.model_calls}
     leaves = trace.leaves()
     path = trace.path(leaves[-1].id) if leaves else []
     items: list[dict[str, Any]] = []
     for message in path:
         call_id = message.model_call_id
         if message.role == "assistant" and call_id:
-            items.append(_art_choice(message, finish.get(call_id), exact.get(call_id)))
+            reason = finish[message.id] if message.id in finish else call_finish.get(call_id)
+            items.append(_art_choice(message, reason, exact.get(call_id)))
             continue
         wire: dict[str, Any] = {"role": message.role, "content": message.text}
         if message.tool_calls:
