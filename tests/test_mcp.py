@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 import envport
+from envport.envs.echo import EchoEnv
 from envport.errors import ForbiddenError
 from envport.mcp.jsonrpc import handle_jsonrpc
 from envport.mcp.server import MCPEndpoint
 from envport.server.sessions import ServerConfig, SessionManager
 from envport.session import Session
+from envport.tools import tool
 
 
 def message_schema(description: str) -> dict[str, Any]:
@@ -55,9 +58,12 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(config: ServerConfig | None = None) -> AsyncIterator[Served]:
+async def serve(
+    config: ServerConfig | None = None,
+    factory: Callable[[], envport.Env[Any, Any]] = echo_factory,
+) -> AsyncIterator[Served]:
     """The endpoint on a real uvicorn server at 127.0.0.1:<ephemeral port>."""
-    manager = SessionManager(echo_factory, config or ServerConfig())
+    manager = SessionManager(factory, config or ServerConfig())
     endpoint = MCPEndpoint(manager, name="echo-v1")
 
     @asynccontextmanager
@@ -292,6 +298,46 @@ async def test_with_host_checks_on_a_plain_post_goes_through_the_sdk_s_checks() 
     assert response.status_code >= 400
     assert "result" not in response.text
     await manager.close_all()
+
+
+class MeasuringEnv(EchoEnv):
+    """Tools whose results JSON has no form for: what a metric or a file read returns."""
+
+    @tool
+    async def measure(self) -> dict[str, Any]:
+        """Measure: no samples yet, so the mean is NaN and the best is -inf."""
+        return {"mean": math.nan, "best": -math.inf, "n": 0}
+
+    @tool
+    async def raw(self) -> Any:
+        """The raw bytes of a file that is not UTF-8."""
+        return b"\xff\xfe"
+
+
+async def test_a_tool_result_json_cannot_write_is_sent_as_its_text_shows_it() -> None:
+    """NaN, infinities and bytes in a tool's result: every path answers with valid JSON,
+    ``null`` for the non-finite numbers, as the text block already shows them."""
+    expected = {"mean": None, "best": None, "n": 0}
+    async with serve(factory=MeasuringEnv) as srv:
+        async with mcp_session(srv.url) as session:
+            result = await session.call_tool("measure", {})
+            assert not result.is_error
+            assert result.structured_content == expected
+            assert json.loads(result.content[0].text) == expected  # type: ignore[union-attr]
+            raw = await session.call_tool("raw", {})
+            assert not raw.is_error
+            assert raw.structured_content == {"result": str(b"\xff\xfe")}
+
+        # OpenEnv's plain JSON-RPC POST, on a one-request environment.
+        async with httpx2.AsyncClient() as http:
+            for name, value in [("measure", expected), ("raw", str(b"\xff\xfe"))]:
+                request = rpc("tools/call", {"name": name, "arguments": {}})
+                response = await http.post(srv.url, json=request)
+                assert response.status_code == 200, response.text
+                reply = response.json()["result"]
+                assert reply["isError"] is False
+                assert reply["data"] == value
+                assert json.loads(reply["content"][0]["text"]) == value
 
 
 # --- JSON-RPC over the WebSocket ``mcp`` frame -----------------------------------------

@@ -14,6 +14,7 @@ the wire mapping of raised errors to each transport.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,10 @@ class ToolOutcome:
     ``text`` is the single text content block: a string result as is, anything else as
     JSON. ``structured`` is ``structuredContent``: a dict result as is, any other value
     wrapped as ``{"result": value}`` (MCP requires an object there through 2025-11-25);
-    ``None`` on errors. ``value`` is the raw JSON-able result (``None`` on errors).
+    ``None`` on errors. ``value`` is the result as plain JSON data (``None`` on errors):
+    where the tool returned a number JSON cannot write (NaN, an infinity) or a value it
+    has no form for (bytes, a set, a datetime), ``value`` and ``structured`` hold what
+    ``text`` shows (``null``, the value's ``str()``), so every transport can send them.
     """
 
     text: str
@@ -46,8 +50,15 @@ class ToolOutcome:
 
     @classmethod
     def success(cls, value: Any) -> ToolOutcome:
-        text, structured = tool_text(value), structured_content(value)
-        return cls(text=text, structured=structured, is_error=False, value=value)
+        if isinstance(value, str):
+            text = value
+        else:
+            try:  # the usual result is plain JSON: then this is tool_text's very text
+                text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError):  # a NaN, bytes, a set: as tool_text writes it
+                text = tool_text(value)
+                value = json.loads(text)
+        return cls(text=text, structured=structured_content(value), is_error=False, value=value)
 
     @classmethod
     def failure(cls, message: str) -> ToolOutcome:
