@@ -740,6 +740,36 @@ async def test_test_command_timeout_kills_the_process_group(tmp_path: Path) -> N
         await asyncio.sleep(0.05)
 
 
+async def test_test_command_that_leaves_a_server_running_is_scored_when_it_exits(
+    tmp_path: Path,
+) -> None:
+    """A test script that starts a server in the background and exits: its result is its
+    exit status, not a timeout (the server holds the output pipes open), and the server
+    does not outlive the scoring, whether it kept the pipes or not."""
+    spec = {
+        "type": "test_command",
+        "command": (
+            "sleep 300 & echo $! > server.pid; "
+            "sleep 300 >/dev/null 2>&1 & echo $! > quiet.pid; "
+            "echo '3 passed'"
+        ),
+        "timeout_s": 30,
+    }
+    total, result = await score_one(spec, command_ctx(tmp_path))
+    assert result.errors == []
+    assert total == 1.0
+    assert result.rewards[0].reason == "exit status 0"
+    for name in ("server.pid", "quiet.pid"):
+        pid = int((tmp_path / name).read_text())
+        deadline = time.monotonic() + 10
+        while not _gone(pid):
+            assert time.monotonic() < deadline, f"{name} {pid} still alive after scoring"
+            await asyncio.sleep(0.05)
+    handle = LocalDirHandle(tmp_path)
+    ran = await handle.run("sleep 300 & echo started; echo done >&2", timeout_s=30)
+    assert (ran.exit_code, ran.stdout, ran.stderr) == (0, "started\n", "done\n")
+
+
 async def test_test_command_that_cannot_run_is_an_error_not_zero(tmp_path: Path) -> None:
     spec = {"type": "test_command", "command": "definitely-not-a-command-envport"}
     total, result = await score_one(spec, command_ctx(tmp_path))

@@ -10,8 +10,9 @@ An :class:`EnvHandle` is how a rubric looks *into* the environment after the run
 file, run a command (a test suite), read the state, call a tool. Three kinds:
 
 * :class:`LocalDirHandle` — a working directory on this machine. Commands run there as
-  subprocesses (own process group, killed with it on timeout or cancellation); file
-  access is confined to the directory.
+  subprocesses in a process group of their own, killed when the command exits (what it
+  left in the background), times out or is cancelled; file access is confined to the
+  directory.
 * :class:`ClientHandle` — an :class:`~envport.client.client.EnvClient` session: ``state``
   and ``call_tool`` go to the environment; ``run``/``read_file``/``upload`` work only if
   the environment has ``run``/``read_file``/``write_file`` tools (``shell-v1`` does),
@@ -90,9 +91,12 @@ class LocalDirHandle:
 
     ``run`` starts the command in ``workdir`` (a string through ``/bin/sh -c``, a list
     directly), in a new process group, and on timeout or cancellation kills the whole
-    group before raising. Paths given to ``read_file`` and ``upload`` are relative to
-    ``workdir`` (absolute ones must lie inside it) and may not escape it, symlinks
-    included. ``state`` returns ``state`` as given; there are no tools.
+    group before raising. The result comes when the command itself exits: processes it
+    left running in its group (a test server started with ``&``, which holds the output
+    pipes open) are killed then, their output so far kept. Paths given to ``read_file``
+    and ``upload`` are relative to ``workdir`` (absolute ones must lie inside it) and
+    may not escape it, symlinks included. ``state`` returns ``state`` as given; there
+    are no tools.
     """
 
     def __init__(
@@ -139,46 +143,53 @@ class LocalDirHandle:
         if not self.workdir.is_dir():
             raise CommandError(f"working directory {str(self.workdir)!r} does not exist")
         env = None if self.env is None else {**os.environ, **self.env}
+        loop = asyncio.get_running_loop()
+        options: dict[str, Any] = {
+            "cwd": self.workdir,
+            "env": env,
+            "stdin": asyncio.subprocess.DEVNULL,
+            "stdout": asyncio.subprocess.PIPE,
+            "stderr": asyncio.subprocess.PIPE,
+            "start_new_session": True,
+        }
         try:
             if isinstance(command, str):
-                proc = await asyncio.create_subprocess_shell(
-                    command,
-                    cwd=self.workdir,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True,
-                )
+                transport, output = await loop.subprocess_shell(_Output, command, **options)
             else:
-                proc = await asyncio.create_subprocess_exec(
-                    *command,
-                    cwd=self.workdir,
-                    env=env,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True,
-                )
+                transport, output = await loop.subprocess_exec(_Output, *command, **options)
         except OSError as exc:
             raise CommandError(f"cannot run {command!r}: {exc}") from exc
+        timed_out = False
         try:
-            async with asyncio.timeout(timeout_s):
-                out, err = await proc.communicate()
-        except TimeoutError as exc:
-            await _kill_group(proc)
+            try:
+                # The command's own exit, not its pipes' end: a process it left in the
+                # background (a test server started with '&') holds them open.
+                async with asyncio.timeout(timeout_s):
+                    await output.exited.wait()
+            except TimeoutError:
+                timed_out = True
+            await _kill_group(transport, output)  # what it left running ends with it
+            # Output still in the pipes arrives once every writer is gone; a process that
+            # left the group may still hold one: then keep what we have.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await output.pipes_closed.wait()
+        except BaseException:
+            await _kill_group(transport, output)
+            raise
+        finally:
+            transport.close()
+        if timed_out:
             raise CommandTimeoutError(
                 f"command {command!r} ran past its {timeout_s:g} s timeout and was killed",
                 timeout_s=timeout_s,
-            ) from exc
-        except BaseException:
-            await _kill_group(proc)
-            raise
-        assert proc.returncode is not None
+            )
+        exit_code = transport.get_returncode()
+        assert exit_code is not None
         return CommandResult(
-            exit_code=proc.returncode,
-            stdout=out.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
-            stderr=err.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
+            exit_code=exit_code,
+            stdout=output.stdout.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
+            stderr=output.stderr.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
         )
 
     async def state(self) -> dict[str, Any]:
@@ -191,14 +202,40 @@ class LocalDirHandle:
         )
 
 
-async def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    """SIGKILL the process group led by ``proc`` and reap it."""
+class _Output(asyncio.SubprocessProtocol):
+    """A command's output, and its exit (which asyncio's ``Process.wait`` of Python 3.11
+    only reports once every pipe is closed, by whatever process holds it)."""
+
+    def __init__(self) -> None:
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.exited = asyncio.Event()
+        self.pipes_closed = asyncio.Event()
+        self._open = {1, 2}
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        chunk = data.encode() if isinstance(data, str) else data
+        (self.stdout if fd == 1 else self.stderr).extend(chunk)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open.discard(fd)
+        if not self._open:
+            self.pipes_closed.set()
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+
+async def _kill_group(transport: asyncio.SubprocessTransport, output: _Output) -> None:
+    """SIGKILL the command's process group (the command and what it started) and wait
+    for the command to be reaped."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+        os.killpg(transport.get_pid(), signal.SIGKILL)
+    if not output.exited.is_set():  # not reaped yet, so the pid is still its own
+        with contextlib.suppress(ProcessLookupError):
+            transport.kill()  # it moved to another process group
     # Shielded: a cancelled caller still waits for the child to be reaped.
-    await asyncio.shield(proc.wait())
+    await asyncio.shield(output.exited.wait())
 
 
 # --- a client session -------------------------------------------------------------------------
