@@ -12,6 +12,7 @@ import math
 import re
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -768,6 +769,37 @@ async def test_test_command_that_leaves_a_server_running_is_scored_when_it_exits
     handle = LocalDirHandle(tmp_path)
     ran = await handle.run("sleep 300 & echo started; echo done >&2", timeout_s=30)
     assert (ran.exit_code, ran.stdout, ran.stderr) == (0, "started\n", "done\n")
+
+
+async def test_a_grader_flooding_its_output_is_held_in_bounded_memory_tail_kept(
+    tmp_path: Path,
+) -> None:
+    """100 MB of output then a summary line: a bounded tail is kept (the summary is in it,
+    and so in the reward's reason), not the whole output in memory. The cut falls inside
+    a two-byte character, which is dropped whole rather than shown as U+FFFD."""
+    handle = LocalDirHandle(tmp_path)
+    command = (
+        "printf x; yes \u00e9 | tr -d '\\n' | head -c 100000000; "
+        "printf '\\n1 failed, 2 passed.\\n'; exit 1"
+    )
+    tracemalloc.start()
+    try:
+        result = await handle.run(command, timeout_s=60)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 20_000_000, f"{peak} bytes traced while reading the output"
+    assert result.exit_code == 1
+    assert len(result.stdout.encode()) < 1_100_000
+    assert result.stdout.endswith("\u00e9" * 1000 + "\n1 failed, 2 passed.\n")
+    assert "earlier bytes of output dropped" in result.stdout
+    assert "\ufffd" not in result.stdout
+
+    spec = {"type": "test_command", "command": command, "timeout_s": 60}
+    total, scored = await score_one(spec, command_ctx(tmp_path))
+    assert total == 0.0
+    assert scored.rewards[0].reason is not None
+    assert scored.rewards[0].reason.endswith("1 failed, 2 passed.")
 
 
 async def test_test_command_that_cannot_run_is_an_error_not_zero(tmp_path: Path) -> None:

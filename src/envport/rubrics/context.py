@@ -48,8 +48,8 @@ from envport.trace.model import Message, Trace
 if TYPE_CHECKING:
     from envport.client.client import EnvClient
 
-#: How much of a command's stdout and stderr is kept (each), in characters.
-MAX_OUTPUT_CHARS = 1_000_000
+#: How much of a command's stdout and stderr is kept (each): its last this many bytes.
+MAX_OUTPUT_BYTES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,8 @@ class LocalDirHandle:
         assert exit_code is not None
         return CommandResult(
             exit_code=exit_code,
-            stdout=output.stdout.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
-            stderr=output.stderr.decode("utf-8", "replace")[:MAX_OUTPUT_CHARS],
+            stdout=output.stdout.text(),
+            stderr=output.stderr.text(),
         )
 
     async def state(self) -> dict[str, Any]:
@@ -202,20 +202,46 @@ class LocalDirHandle:
         )
 
 
+class _Tail:
+    """The last :data:`MAX_OUTPUT_BYTES` bytes written to a stream: memory stays bounded
+    whatever a grader prints, and a test run's summary, which comes last, is kept."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.dropped = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.data += chunk
+        excess = len(self.data) - MAX_OUTPUT_BYTES
+        if excess > 0:
+            del self.data[:excess]
+            self.dropped += excess
+
+    def text(self) -> str:
+        if not self.dropped:
+            return self.data.decode("utf-8", "replace")
+        start = 0  # not in the middle of a character
+        while start < min(len(self.data), 3) and 0x80 <= self.data[start] < 0xC0:
+            start += 1
+        dropped = self.dropped + start
+        note = f"[envport: {dropped} earlier bytes of output dropped]\n"
+        return note + self.data[start:].decode("utf-8", "replace")
+
+
 class _Output(asyncio.SubprocessProtocol):
     """A command's output, and its exit (which asyncio's ``Process.wait`` of Python 3.11
     only reports once every pipe is closed, by whatever process holds it)."""
 
     def __init__(self) -> None:
-        self.stdout = bytearray()
-        self.stderr = bytearray()
+        self.stdout = _Tail()
+        self.stderr = _Tail()
         self.exited = asyncio.Event()
         self.pipes_closed = asyncio.Event()
         self._open = {1, 2}
 
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
         chunk = data.encode() if isinstance(data, str) else data
-        (self.stdout if fd == 1 else self.stderr).extend(chunk)
+        (self.stdout if fd == 1 else self.stderr).feed(chunk)
 
     def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
         self._open.discard(fd)
