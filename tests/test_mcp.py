@@ -4,6 +4,7 @@ JSON-RPC handler behind OpenEnv's WebSocket ``mcp`` frame."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections.abc import AsyncIterator, Callable
@@ -265,6 +266,40 @@ async def test_auto_mode_client_falls_back_to_a_stateful_session() -> None:
         result = await client.call_tool("echo", {"message": "hi"})
         assert result.content[0].text == "hi"  # type: ignore[union-attr]
         assert srv.manager.active == 1
+
+
+async def test_an_endless_chunked_body_is_refused_without_being_read_whole() -> None:
+    """A plain JSON-RPC POST with no Content-Length (chunked) is counted as it arrives and
+    refused once over ``max_frame_bytes``, not read whole first: the client gets its 413
+    while still sending (what it got to send is what the socket buffers held)."""
+    async with serve(ServerConfig(max_frame_bytes=64 * 1024)) as srv:
+        url = httpx2.URL(srv.url)
+        reader, writer = await asyncio.open_connection(url.host, url.port)
+        writer.write(
+            b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Accept: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        response = asyncio.create_task(reader.read(1024))
+        chunk, sent, most = b" " * 65536, 0, 64 * 2**20
+        try:
+            while not response.done() and sent < most:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                await writer.drain()
+                sent += len(chunk)
+        except ConnectionError:
+            pass  # the server answered and closed: the answer is waiting
+        if not response.done():
+            writer.write(b"0\r\n\r\n")
+        head = await asyncio.wait_for(response, 30)
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+        assert head.startswith(b"HTTP/1.1 413"), head[:200]
+        assert sent < most // 2, f"the server read {sent} bytes before refusing them"
+
+        async with httpx2.AsyncClient() as http:  # and it goes on serving
+            response2 = await http.post(srv.url, json=rpc("tools/list"))
+        assert {t["name"] for t in response2.json()["result"]["tools"]} == {"echo", "reverse"}
 
 
 async def test_not_running_answers_503() -> None:

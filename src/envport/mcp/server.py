@@ -176,10 +176,8 @@ class MCPEndpoint:
             bad = jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, message)
             await JSONResponse(bad, status_code=415)(scope, receive, send)
             return
-        declared = request.headers.get("content-length", "")
-        too_big = declared.isdigit() and int(declared) > self.manager.config.max_frame_bytes
-        body = b"" if too_big else await request.body()
-        if too_big or len(body) > self.manager.config.max_frame_bytes:
+        body = await _body_within(request, self.manager.config.max_frame_bytes)
+        if body is None:
             large = jsonrpc_error(None, JsonRpcCode.INVALID_REQUEST, "Request too large.")
             await JSONResponse(large, status_code=413)(scope, receive, send)
             return
@@ -357,6 +355,21 @@ def _plain_jsonrpc(scope: Scope) -> bool:
         if name == b"accept":
             accept += value
     return b"text/event-stream" not in accept
+
+
+async def _body_within(request: Request, limit: int) -> bytes | None:
+    """The request's body, or ``None`` as soon as it is known to be over ``limit`` bytes:
+    by its ``Content-Length``, or, for a chunked body, which has none, counted as it
+    arrives (never more than ``limit`` and one chunk held)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 def _parse(body: bytes) -> dict[str, Any] | None:
