@@ -151,6 +151,36 @@ async def test_fake_agent_gets_endpoint_task_workdir_and_nothing_else(
     assert Trace.from_json(trace.to_json()).metadata["harness"] == meta
 
 
+@pytest.mark.parametrize("inherit", [True, ("PATH", "ENVPORT_GATEWAY_TOKEN", "WANTED")])
+async def test_the_gateway_orchestrator_token_never_reaches_the_agent(
+    tmp_path: Path,
+    endpoint: ModelEndpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    inherit: Any,
+) -> None:
+    """The token that finishes rollouts with their rewards stays with the orchestrator,
+    even when the harness inherits the whole environment (or names it): an agent holding
+    it could score its own run through the gateway's admin routes."""
+    monkeypatch.setenv("ENVPORT_GATEWAY_TOKEN", "orchestrator-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "the-real-provider-key")
+    monkeypatch.setenv("WANTED", "passed on")
+    show = (
+        "import json, os; e = os.environ; print(json.dumps({"
+        "'anywhere': 'orchestrator-secret' in e.values(), "
+        "'token': e.get('ENVPORT_GATEWAY_TOKEN'), "
+        "'key': e.get('OPENAI_API_KEY'), 'wanted': e.get('WANTED')}))"
+    )
+    harness = SubprocessHarness([sys.executable, "-c", show], inherit_env=inherit, timeout_s=30)
+    result = await harness.run("task", endpoint, workdir=tmp_path)
+    assert result.exit_code == 0, result.stderr_tail
+    assert json.loads(result.stdout_tail) == {
+        "anywhere": False,
+        "token": None,
+        "key": "rollout-token-123",
+        "wanted": "passed on",
+    }
+
+
 #: An agent on an Anthropic model: the official anthropic SDK, configured only by env vars.
 ANTHROPIC_AGENT = """
 import json, os, sys

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from envport.deadlines import stage_time_left
+from envport.gateway.serve import TOKEN_ENV as GATEWAY_TOKEN_ENV
 from envport.tasks import Task
 from envport.trace import ErrorKind, Trace, TraceError
 
@@ -96,6 +97,10 @@ DEFAULT_ENV_PASSTHROUGH: tuple[str, ...] = (
 #: Prefixes of variables never inherited from the parent: provider credentials and
 #: endpoints come only from the :class:`ModelEndpoint` of the run.
 _PROVIDER_PREFIXES = ("OPENAI_", "ANTHROPIC_")
+#: Variables never inherited from the parent either: the gateway's orchestrator token,
+#: which creates, reads and *finishes* rollouts, rewards included (an agent holding it
+#: could score its own run).
+_NEVER_INHERITED = frozenset({GATEWAY_TOKEN_ENV})
 
 TaskInput = Literal["argv", "stdin", "file"]
 
@@ -245,7 +250,8 @@ class SubprocessHarness:
 
     ``inherit_env`` names the parent's variables passed on (default
     :data:`DEFAULT_ENV_PASSTHROUGH`); ``True`` passes all of them. Either way the
-    parent's ``OPENAI_*``/``ANTHROPIC_*`` variables are never passed.
+    parent's ``OPENAI_*``/``ANTHROPIC_*`` variables and the gateway's orchestrator token
+    (``ENVPORT_GATEWAY_TOKEN``) are never passed.
     """
 
     def __init__(
@@ -470,7 +476,11 @@ class SubprocessHarness:
             env = dict(os.environ)
         else:
             env = {k: os.environ[k] for k in self.inherit_env if k in os.environ}
-        env = {k: v for k, v in env.items() if not k.startswith(_PROVIDER_PREFIXES)}
+        env = {
+            k: v
+            for k, v in env.items()
+            if not k.startswith(_PROVIDER_PREFIXES) and k not in _NEVER_INHERITED
+        }
         if endpoint is not None:
             env.update(endpoint.env())
         if "mcp_config" in values:
