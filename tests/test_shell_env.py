@@ -22,7 +22,7 @@ import pytest
 from envport.check import check_env
 from envport.client.client import EnvClient
 from envport.envs import shell
-from envport.envs.shell import MAX_OUTPUT_BYTES, BwrapProbe, ShellEnv
+from envport.envs.shell import MAX_OUTPUT_BYTES, BwrapProbe, ShellEnv, run_command
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
 from envport.harness.agent import reset_options
 from envport.registry import make, registered
@@ -445,3 +445,27 @@ async def test_task_dir_outside_the_granted_roots_is_refused(
         monkeypatch.setenv("ENVPORT_WORKSPACE_ROOTS", str(tmp_path / "elsewhere"))
     async with ShellEnv(allow_unisolated=True) as env:  # the operator's variable
         await env.reset(task_dir=str(elsewhere))
+
+
+async def test_a_command_that_leaves_a_process_holding_its_output_returns_when_it_exits(
+    tmp_path: Path,
+) -> None:
+    """Unsandboxed (no PID namespace to end with the command), a background process
+    holding stdout kept asyncio's wait() (Python 3.11: until every pipe closes) from
+    returning, so the command ran into its timeout and was reported as timed out."""
+    marker = f"32.{uuid.uuid4().int % 10**6}"
+    out = await run_command(
+        ["bash", "-c", f"sleep {marker} & echo started"],
+        cwd=tmp_path,
+        env=None,
+        timeout_s=20,
+        cap=1000,
+    )
+    assert out["timed_out"] is False
+    assert out["exit_code"] == 0
+    assert out["stdout"] == "started\n"
+    for _ in range(50):
+        if not _processes_with(marker):
+            break
+        await asyncio.sleep(0.1)
+    assert not _processes_with(marker)

@@ -292,6 +292,19 @@ async def _read_capped(stream: asyncio.StreamReader | None, cap: int, into: _Cap
         into.dropped += max(0, len(chunk) - max(room, 0))
 
 
+class _ExitHeard(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's stream protocol, telling when the process itself exits (its pipes may
+    stay open: a background child it left holds them)."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -317,7 +330,9 @@ async def run_command(
     The group is killed after the command ends too, so no background child outlives it;
     pipes still held by an escaped process are given up after a short grace.
     """
-    proc = await asyncio.create_subprocess_exec(
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(
+        lambda: _ExitHeard(limit=2**16, loop=loop),
         *argv,
         cwd=cwd,
         env=env,
@@ -326,6 +341,7 @@ async def run_command(
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
+    proc = asyncio.subprocess.Process(transport, protocol, loop)
     out, err = _Capture(), _Capture()
     timed_out = False
     async with asyncio.TaskGroup() as tg:
@@ -335,16 +351,18 @@ async def run_command(
         ]
         try:
             async with asyncio.timeout(timeout_s):
-                await proc.wait()
+                await protocol.exited.wait()
         except TimeoutError:
             timed_out = True
         finally:
             _kill_group(proc)
-            await asyncio.shield(proc.wait())
+            # the command's own exit: Process.wait() (3.11) waits for its pipes too, which
+            # a process that left the group may hold
+            await asyncio.shield(protocol.exited.wait())
         _done, pending = await asyncio.wait(readers, timeout=2.0)
         for task in pending:
             task.cancel()
-    code = proc.returncode
+    code = transport.get_returncode()
     assert code is not None
     stderr = _text(err)
     if timed_out:
