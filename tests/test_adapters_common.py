@@ -341,3 +341,43 @@ def test_skyrl_dataset_carries_the_task() -> None:
     (entry,) = skyrl_dataset(load("builtin:guess-number").head(1))
     assert entry["env_class"] == "guess-number-v1"
     assert json.loads(entry["envport_task"])["id"] == entry["uid"]
+
+
+async def test_skyrl_batch_with_a_repeated_trajectory_id_runs_each_prompt_once() -> None:
+    """A dataset holding one task twice gives a batch two prompts with the same
+    (instance_id, repetition_id). Each is its own rollout: the rollout id used to be
+    built from the repetition id, so the second prompt came back as the first one's trace
+    (the controller's exactly-once) or the whole batch failed on a stale state."""
+    from types import SimpleNamespace
+
+    from envport.train.adapters.skyrl import _EnvportGenerator
+
+    answer = TOK.encode('<tool_call>{"name": "guess", "arguments": {"number": 50}}</tool_call>')
+    sessions: list[str] = []
+
+    class Engine:
+        async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+            sessions.extend(request["session_ids"])
+            return {
+                "response_ids": [[*answer, IM_END]],
+                "response_logprobs": [[-0.5] * (len(answer) + 1)],
+                "stop_reasons": ["stop"],
+            }
+
+    (row_,) = skyrl_dataset(load("builtin:guess-number").head(1))
+    generator = _EnvportGenerator(Engine(), TOK, agent=None)
+    same = SimpleNamespace(instance_id=row_["uid"], repetition_id=0)
+    out = await generator.generate(
+        {
+            "prompts": [row_["prompt"]] * 2,
+            "env_classes": [row_["env_class"]] * 2,
+            "env_extras": [{"envport_task": row_["envport_task"]}] * 2,
+            "trajectory_ids": [same, same],
+        }
+    )
+    traces = [r.trace for r in generator.last_rollouts]
+    assert len({t.rollout_id for t in traces}) == 2
+    assert len({t.trace_id for t in traces}) == 2
+    assert len(set(sessions)) == 2  # both prompts were generated
+    assert len(out["response_ids"]) == 2
+    assert traces[0].group_id == traces[1].group_id  # still one GRPO group

@@ -269,12 +269,11 @@ class _EnvportGenerator:
 
         async def one(i: int) -> Rollout:
             task = _task(prompts[i], env_classes[i], extras[i])
-            group, index = task.id, i
-            if trajectory_ids is not None:
-                group = str(trajectory_ids[i].instance_id)
-                index = int(trajectory_ids[i].repetition_id)
+            group = task.id if trajectory_ids is None else str(trajectory_ids[i].instance_id)
             model = self._model(f"{run_id}/{i}", sampling)
-            return await self.runner.run(model, task, index, run_id, group_id=f"{run_id}/{group}")
+            # The rollout's index is its place in the batch: a task twice in one batch
+            # (same instance and repetition ids) is two rollouts, not one run twice.
+            return await self.runner.run(model, task, i, run_id, group_id=f"{run_id}/{group}")
 
         async with asyncio.TaskGroup() as tg:
             running = [tg.create_task(one(i)) for i in range(len(prompts))]
