@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -775,3 +776,60 @@ async def test_mcp_speaking_agent_uses_the_live_environment(
             # The agent's MCP call was a step of the trainer's own episode.
             state = await env.state()
             assert state["step_count"] == 1
+
+
+async def test_the_session_is_scanned_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ending an agent scans /proc for its session every 20 ms of the kill grace: tens of
+    milliseconds each on a host with thousands of processes, so never on the loop that
+    serves the other rollouts."""
+    from envport.harness import subprocess as harness_subprocess
+
+    scans = harness_subprocess._session_members
+    threads: list[int] = []
+
+    def recording(sid: int) -> list[int] | None:
+        threads.append(threading.get_ident())
+        return scans(sid)
+
+    monkeypatch.setattr(harness_subprocess, "_session_members", recording)
+    argv = [sys.executable, _script(tmp_path, SLEEPER), "--ignore-term"]
+    harness = SubprocessHarness(argv, name="sleeper", timeout_s=1.0, kill_grace_s=0.3)
+    result = await harness.run_into(Trace(), "sleep", workdir=tmp_path / "work")
+    assert result.timed_out
+    assert len(threads) >= 3  # SIGTERM, scans through the grace, SIGKILL
+    assert threading.get_ident() not in threads
+
+
+async def test_a_cancel_while_the_directories_are_made_leaves_none_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from envport.harness import subprocess as harness_subprocess
+
+    make = harness_subprocess._make_dirs
+    entered, release = threading.Event(), threading.Event()
+    made: list[tuple[Path, Path]] = []
+
+    def slow_make(workdir: Path | str | None) -> tuple[Path, Path]:
+        entered.set()
+        release.wait(30)
+        made.append(make(workdir))
+        return made[-1]
+
+    monkeypatch.setattr(harness_subprocess, "_make_dirs", slow_make)
+    harness = SubprocessHarness([sys.executable, "-c", "pass"], name="noop", timeout_s=30)
+    run = asyncio.create_task(harness.run_into(Trace(), "task"))
+    await asyncio.to_thread(entered.wait, 30)
+    run.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    for _ in range(300):  # the worker thread finishes making them, whatever happened
+        if made:
+            break
+        await asyncio.sleep(0.01)
+    [(root, state)] = made
+    assert not root.exists()
+    assert not state.exists()

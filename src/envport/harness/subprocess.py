@@ -323,7 +323,7 @@ class SubprocessHarness:
     ) -> HarnessResult:
         owned = workdir is None
         remove_workdir = owned and not self.keep_workdir
-        root, state = await asyncio.to_thread(_make_dirs, workdir)
+        root, state = await _made_dirs(workdir, remove_workdir)
         try:
             text = task_text(task)
             values = {"task": text, "workdir": str(root), "state_dir": str(state)}
@@ -563,6 +563,19 @@ def _make_dirs(workdir: Path | str | None) -> tuple[Path, Path]:
         root = Path(workdir)
         root.mkdir(parents=True, exist_ok=True)
     return root, Path(tempfile.mkdtemp(prefix="envport-harness-"))
+
+
+async def _made_dirs(workdir: Path | str | None, remove_workdir: bool) -> tuple[Path, Path]:
+    """:func:`_make_dirs` in a worker thread; cancelled meanwhile, what it made (once it
+    has) is removed before the cancellation goes on."""
+    making = asyncio.ensure_future(asyncio.to_thread(_make_dirs, workdir))
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            root, state = await making
+            await asyncio.to_thread(_remove_dirs, state, root if remove_workdir else None)
+        raise
 
 
 def _populate(task: Task | str, root: Path, task_file: str | None, text: str) -> None:
@@ -831,15 +844,19 @@ def _session_alive(sid: int) -> bool:
 
 
 async def _end_session(sid: int, capture: _Capture, grace_s: float) -> None:
-    """SIGTERM the whole session, wait up to ``grace_s`` for it to go, then SIGKILL."""
-    if not _signal_session(sid, signal.SIGTERM):
+    """SIGTERM the whole session, wait up to ``grace_s`` for it to go, then SIGKILL.
+
+    Each scan of the session reads every process's ``/proc/PID/stat``: on a host with
+    thousands of processes that is tens of milliseconds, repeated every 20 ms, so the
+    scans run in a worker thread, never on the event loop (other rollouts, a gateway)."""
+    if not await asyncio.to_thread(_signal_session, sid, signal.SIGTERM):
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if capture.exited.is_set() and not _session_alive(sid):
+        if capture.exited.is_set() and not await asyncio.to_thread(_session_alive, sid):
             return
         await asyncio.sleep(0.02)
-    _signal_session(sid, signal.SIGKILL)
+    await asyncio.to_thread(_signal_session, sid, signal.SIGKILL)
     await capture.exited.wait()
     await _session_gone(sid)
 
@@ -847,10 +864,11 @@ async def _end_session(sid: int, capture: _Capture, grace_s: float) -> None:
 async def _session_gone(sid: int, timeout_s: float = 10.0) -> None:
     """SIGKILL the session until no live process is left in it (one forked between a
     scan and the signals is caught by the next round; SIGKILL takes effect when the
-    process is next scheduled, which on a busy machine is not at once)."""
+    process is next scheduled, which on a busy machine is not at once). Scans run in a
+    worker thread, as in :func:`_end_session`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not _signal_session(sid, signal.SIGKILL):
+        if not await asyncio.to_thread(_signal_session, sid, signal.SIGKILL):
             return
         await asyncio.sleep(0.02)
 
