@@ -311,6 +311,26 @@ PROC_WRITES = (
 )
 
 
+# What a sandbox's root must not be able to do with capabilities: none are left
+# (bwrap run by root keeps them all unless told), so no mount (a fresh /proc has a
+# writable /proc/sys: host root through kernel.core_pattern), and no user namespace of
+# its own (every capability inside one). Prints one line per thing that worked.
+ESCAPES = (
+    "grep -q '^CapEff:[[:space:]]*0*$' /proc/self/status || grep CapEff /proc/self/status; "
+    "mkdir -p /tmp/p && mount -t proc proc /tmp/p 2>/dev/null && echo 'mounted /proc'; "
+    "unshare -U true 2>/dev/null && echo 'made a user namespace'; "
+    'python3 -c \'import ctypes; l = ctypes.CDLL(None); print("unshare(CLONE_NEWUSER)") '
+    "if l.unshare(0x10000000) == 0 else None'; echo done"
+)
+
+
+@needs_isolation
+async def test_the_sandbox_has_no_capabilities_and_no_user_namespaces(runtime: Path) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        result = await sb.exec(ESCAPES)
+    assert result.stdout == "done\n", result
+
+
 @needs_isolation
 async def test_proc_sys_is_read_only_and_kernel_files_are_masked(runtime: Path) -> None:
     async with await Sandbox.create(cfg(runtime)) as sb:
@@ -725,3 +745,16 @@ async def test_the_shell_starts_with_default_signal_actions(runtime: Path) -> No
         await sb.exec("readonly LOCKED=1")
         await sb.reset()  # the shell is replaced (exec): still default actions
         assert (await sb.exec("trap -p")).stdout == ""
+
+
+def test_a_bwrap_without_disable_userns_still_confines_the_rest(tmp_path: Path) -> None:
+    from envport.sandbox.confine import NO_NESTED_USERNS, confinement_args
+
+    old = tmp_path / "bwrap"  # a bwrap before 0.8: no --disable-userns
+    old.write_text('#!/bin/sh\nfor a; do [ "$a" = --disable-userns ] && exit 1; done\nexit 0\n')
+    old.chmod(0o755)
+    assert confinement_args(str(old)) == ("--unshare-all", "--cap-drop", "ALL", "--new-session")
+    new = tmp_path / "bwrap-new"
+    new.write_text("#!/bin/sh\nexit 0\n")
+    new.chmod(0o755)
+    assert confinement_args(str(new))[-len(NO_NESTED_USERNS) :] == NO_NESTED_USERNS

@@ -241,6 +241,18 @@ async def test_proc_sys_is_read_only_inside() -> None:
 
 
 @needs_bwrap
+async def test_commands_have_no_capabilities_and_no_user_namespaces() -> None:
+    """bwrap run by root kept every capability (CAP_SYS_ADMIN included) in shell-v1's
+    commands: mounting a fresh /proc gave a writable /proc/sys, host root's way in."""
+    from tests.test_sandbox import ESCAPES
+
+    async with ShellEnv() as env:
+        await env.reset()
+        out = await run(env, ESCAPES)
+    assert out["stdout"] == "done\n", out
+
+
+@needs_bwrap
 async def test_writes_outside_the_workspace_stay_inside_the_sandbox() -> None:
     name = f"envport-test-{uuid.uuid4().hex}"
     async with ShellEnv() as env, ShellEnv() as other:

@@ -34,7 +34,9 @@ commands still run afterwards, so a rubric can score the finished workspace.
 namespaces unshared (no network: a fresh loopback only), ``/`` (a bare root),
 ``/usr`` and ``/etc`` read-only,
 ``/proc`` and ``/dev`` fresh, the four directories above bound in, an empty environment
-but for ``PATH``/``HOME``/``LANG``, killed with its parent. So Harbor's absolute paths
+but for ``PATH``/``HOME``/``LANG``, killed with its parent, no capabilities and no user
+namespaces of its own (:mod:`envport.sandbox.confine`, shared with the sandboxes). So
+Harbor's absolute paths
 (``/tests/test.sh``, ``/logs/verifier/reward.txt``) mean exactly what they mean in
 Harbor's container, and nothing a command does reaches the host outside those
 directories. **Decision:** one ``bwrap`` per command, no persistent shell: simple, and a
@@ -77,6 +79,7 @@ from pydantic import Field
 
 from envport.env import AnyAction, Env
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
+from envport.sandbox.confine import confinement_args
 from envport.sandbox.procfs import proc_hardening_args
 from envport.tools import tool
 from envport.types import Action, Observation, StepResult
@@ -208,7 +211,7 @@ def bwrap_argv(bwrap: str, ws: Workspace, command: str) -> list[str]:
         "ENVPORT_LOGS_DIR": LOGS_MOUNT,
         "ENVPORT_TESTS_DIR": TESTS_MOUNT,
     }
-    args = [bwrap, "--die-with-parent", "--unshare-all", "--clearenv"]
+    args = [bwrap, "--die-with-parent", *confinement_args(bwrap), "--clearenv"]
     for key, value in env.items():
         args += ["--setenv", key, value]
     args += _system_binds()

@@ -9,7 +9,8 @@
         │   ├── usr, etc       bound read-only from the host (+ merged-/usr links)
         │   └── <workdir>      the overlay workspace, mounted by the controller
         └── u<N>/              the overlay's upper and work dirs
-    bwrap (own mount, PID, network, IPC, UTS, cgroup namespaces; no capabilities)
+    bwrap (own mount, PID, network, IPC, UTS, cgroup namespaces; no capabilities; no
+    │      user namespaces of its own: .confine)
     ├── /proc                  its own; /proc/sys read-only, kcore & co masked (.procfs)
     ├── /tmp                   bwrap's own tmpfs of tmp_mb (inside the sandbox only)
     ├── /dev                   bwrap's device nodes, read-only; /dev/shm a small tmpfs
@@ -92,6 +93,7 @@ from envport.sandbox.config import (
     SandboxPathError,
     SandboxUnavailableError,
 )
+from envport.sandbox.confine import confinement_args
 from envport.sandbox.layers import MAX_LAYERS, Layer, copy_tree, fingerprint, is_empty, squash
 from envport.sandbox.probe import probe
 from envport.sandbox.procfs import proc_hardening_args
@@ -949,8 +951,8 @@ class Sandbox:
     def _bwrap_argv(self, info_fd: int, block_fd: int) -> list[str]:
         assert self._bwrap is not None
         cfg = self.config
-        args = [self._bwrap, "--die-with-parent", "--unshare-all", "--cap-drop", "ALL",
-                "--new-session", "--hostname", "sandbox"]  # fmt: skip
+        args = [self._bwrap, "--die-with-parent", *confinement_args(self._bwrap),
+                "--hostname", "sandbox"]  # fmt: skip
         if cfg.network:
             args.append("--share-net")
         args.append("--clearenv")
