@@ -1,4 +1,5 @@
-"""Process helpers shared across envport (controller leases, sandbox runtime dirs).
+"""Process helpers shared across envport (controller leases, sandbox runtime dirs, the
+output and exit of a command run on the host).
 
 A pid alone does not name a process for long: pids are reused (``pid_max`` is 32768 on
 many machines). Things named after their owner (a controller's id, a sandbox's runtime
@@ -8,8 +9,10 @@ process that happens to get the same pid is not taken for the owner.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+from collections.abc import Callable
 
 
 def pid_alive(pid: int) -> bool:
@@ -72,3 +75,66 @@ def owner_alive(pid: int, start: int | None) -> bool:
         return True
     now = start_time(pid)
     return now is None or now == start
+
+
+class OutputTail:
+    """The last ``limit`` bytes written to a stream: memory stays bounded whatever a
+    command prints, and what comes last (a test run's summary, a traceback) is kept."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.buffer = bytearray()
+        self.dropped = 0  # bytes cut from the front
+
+    @property
+    def truncated(self) -> bool:
+        return self.dropped > 0
+
+    def feed(self, data: bytes) -> None:
+        self.buffer += data
+        excess = len(self.buffer) - self.limit
+        if excess > 0:
+            del self.buffer[:excess]
+            self.dropped += excess
+
+    def text(self, *, note: bool = False) -> str:
+        """The tail as text (invalid UTF-8 as U+FFFD; a character the cut split is left
+        out whole); with ``note``, a cut tail starts with a line saying how much went."""
+        start = 0
+        if self.dropped:
+            while start < min(len(self.buffer), 3) and 0x80 <= self.buffer[start] < 0xC0:
+                start += 1
+        text = self.buffer[start:].decode("utf-8", "replace")
+        if note and self.dropped:
+            text = f"[envport: {self.dropped + start} earlier bytes of output dropped]\n{text}"
+        return text
+
+
+class CommandOutput(asyncio.SubprocessProtocol):
+    """A command's output tails, and its exit heard as the process's own: asyncio's
+    ``Process.wait`` (Python 3.11) waits for every pipe to close too, which a process the
+    command left running (a server started with ``&``) may hold for ever.
+
+    ``on_line`` is called for each chunk of output that ends a line (a heartbeat)."""
+
+    def __init__(self, limit: int, on_line: Callable[[], None] | None = None) -> None:
+        self.on_line = on_line
+        self.stdout = OutputTail(limit)
+        self.stderr = OutputTail(limit)
+        self.exited = asyncio.Event()
+        self.pipes_closed = asyncio.Event()
+        self._open = {1, 2}
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        chunk = data.encode() if isinstance(data, str) else data
+        (self.stdout if fd == 1 else self.stderr).feed(chunk)
+        if self.on_line is not None and (b"\n" in chunk or b"\r" in chunk):
+            self.on_line()
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open.discard(fd)
+        if not self._open:
+            self.pipes_closed.set()
+
+    def process_exited(self) -> None:
+        self.exited.set()

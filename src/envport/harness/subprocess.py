@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 from envport.deadlines import stage_time_left
 from envport.gateway.serve import TOKEN_ENV as GATEWAY_TOKEN_ENV
+from envport.procs import CommandOutput, OutputTail
 from envport.tasks import Task
 from envport.trace import ErrorKind, Trace, TraceError
 
@@ -661,58 +662,13 @@ def _harness_error(name: str, result: HarnessResult, deadline: float) -> TraceEr
 # --- the process ------------------------------------------------------------------------------
 
 
-class _Tail:
-    """The last ``limit`` bytes written to a stream."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.buffer = bytearray()
-        self.truncated = False
-
-    def feed(self, data: bytes) -> None:
-        self.buffer += data
-        if len(self.buffer) > self.limit:
-            del self.buffer[: len(self.buffer) - self.limit]
-            self.truncated = True
-
-    def text(self) -> str:
-        return self.buffer.decode("utf-8", errors="replace")
-
-
-class _Capture(asyncio.SubprocessProtocol):
-    """Keeps bounded output tails and signals the process's exit (not its pipes' EOF:
-    a grandchild holding a pipe open must not delay the exit)."""
-
-    def __init__(self, limit: int, on_line: Callable[[], None] | None = None) -> None:
-        self.on_line = on_line
-        self.stdout = _Tail(limit)
-        self.stderr = _Tail(limit)
-        self.exited = asyncio.Event()
-        self.pipes_closed = asyncio.Event()
-        self._open = {1, 2}
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        chunk = data.encode() if isinstance(data, str) else data
-        (self.stdout if fd == 1 else self.stderr).feed(chunk)
-        if self.on_line is not None and (b"\n" in chunk or b"\r" in chunk):
-            self.on_line()
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._open.discard(fd)
-        if not self._open:
-            self.pipes_closed.set()
-
-    def process_exited(self) -> None:
-        self.exited.set()
-
-
 @dataclass
 class _Progress:
     """How far a run got, for the record of one that is cut: filled in as it goes."""
 
     argv: tuple[str, ...] = ()
     started: float | None = None
-    capture: _Capture | None = None
+    capture: CommandOutput | None = None
     transport: asyncio.SubprocessTransport | None = None
 
 
@@ -720,8 +676,8 @@ class _Progress:
 class _Finished:
     returncode: int | None
     timed_out: bool
-    stdout: _Tail
-    stderr: _Tail
+    stdout: OutputTail
+    stderr: OutputTail
 
 
 async def _run_process(
@@ -744,7 +700,7 @@ async def _run_process(
     """
     loop = asyncio.get_running_loop()
     transport, capture = await loop.subprocess_exec(
-        lambda: _Capture(limit, on_line),
+        lambda: CommandOutput(limit, on_line),
         *argv,
         stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
@@ -843,7 +799,7 @@ def _session_alive(sid: int) -> bool:
     return bool(members)
 
 
-async def _end_session(sid: int, capture: _Capture, grace_s: float) -> None:
+async def _end_session(sid: int, capture: CommandOutput, grace_s: float) -> None:
     """SIGTERM the whole session, wait up to ``grace_s`` for it to go, then SIGKILL.
 
     Each scan of the session reads every process's ``/proc/PID/stat``: on a host with

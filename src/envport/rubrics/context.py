@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from envport.errors import ToolError
+from envport.procs import CommandOutput
 from envport.rubrics.errors import CommandError, CommandTimeoutError, NotSupportedError
 from envport.tasks.task import Task
 from envport.trace.model import Message, Trace
@@ -144,6 +145,10 @@ class LocalDirHandle:
             raise CommandError(f"working directory {str(self.workdir)!r} does not exist")
         env = None if self.env is None else {**os.environ, **self.env}
         loop = asyncio.get_running_loop()
+
+        def made() -> CommandOutput:
+            return CommandOutput(MAX_OUTPUT_BYTES)
+
         options: dict[str, Any] = {
             "cwd": self.workdir,
             "env": env,
@@ -154,9 +159,9 @@ class LocalDirHandle:
         }
         try:
             if isinstance(command, str):
-                transport, output = await loop.subprocess_shell(_Output, command, **options)
+                transport, output = await loop.subprocess_shell(made, command, **options)
             else:
-                transport, output = await loop.subprocess_exec(_Output, *command, **options)
+                transport, output = await loop.subprocess_exec(made, *command, **options)
         except OSError as exc:
             raise CommandError(f"cannot run {command!r}: {exc}") from exc
         timed_out = False
@@ -188,8 +193,8 @@ class LocalDirHandle:
         assert exit_code is not None
         return CommandResult(
             exit_code=exit_code,
-            stdout=output.stdout.text(),
-            stderr=output.stderr.text(),
+            stdout=output.stdout.text(note=True),
+            stderr=output.stderr.text(note=True),
         )
 
     async def state(self) -> dict[str, Any]:
@@ -202,57 +207,7 @@ class LocalDirHandle:
         )
 
 
-class _Tail:
-    """The last :data:`MAX_OUTPUT_BYTES` bytes written to a stream: memory stays bounded
-    whatever a grader prints, and a test run's summary, which comes last, is kept."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.dropped = 0
-
-    def feed(self, chunk: bytes) -> None:
-        self.data += chunk
-        excess = len(self.data) - MAX_OUTPUT_BYTES
-        if excess > 0:
-            del self.data[:excess]
-            self.dropped += excess
-
-    def text(self) -> str:
-        if not self.dropped:
-            return self.data.decode("utf-8", "replace")
-        start = 0  # not in the middle of a character
-        while start < min(len(self.data), 3) and 0x80 <= self.data[start] < 0xC0:
-            start += 1
-        dropped = self.dropped + start
-        note = f"[envport: {dropped} earlier bytes of output dropped]\n"
-        return note + self.data[start:].decode("utf-8", "replace")
-
-
-class _Output(asyncio.SubprocessProtocol):
-    """A command's output, and its exit (which asyncio's ``Process.wait`` of Python 3.11
-    only reports once every pipe is closed, by whatever process holds it)."""
-
-    def __init__(self) -> None:
-        self.stdout = _Tail()
-        self.stderr = _Tail()
-        self.exited = asyncio.Event()
-        self.pipes_closed = asyncio.Event()
-        self._open = {1, 2}
-
-    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
-        chunk = data.encode() if isinstance(data, str) else data
-        (self.stdout if fd == 1 else self.stderr).feed(chunk)
-
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        self._open.discard(fd)
-        if not self._open:
-            self.pipes_closed.set()
-
-    def process_exited(self) -> None:
-        self.exited.set()
-
-
-async def _kill_group(transport: asyncio.SubprocessTransport, output: _Output) -> None:
+async def _kill_group(transport: asyncio.SubprocessTransport, output: CommandOutput) -> None:
     """SIGKILL the command's process group (the command and what it started) and wait
     for the command to be reaped."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
