@@ -150,6 +150,27 @@ async def test_guess_number_truncates_after_max_steps() -> None:
         assert str(secret) in r3.observation.message
 
 
+async def test_guess_number_text_guesses_are_read_exactly_beyond_float_precision() -> None:
+    # A float holds integers exactly only up to 2**53: the secret typed as text was read as
+    # a neighbour, answered 'lower' and scored 0.
+    async with GuessNumberEnv(high=10**18, max_steps=5) as env:
+        await env.reset(seed=1)
+        secret = await reference(env)
+        assert secret > 2**53
+        below = await env.step({"guess": f"{secret - 1:,}"})
+        assert below.observation.feedback == "higher"
+        assert below.observation.last_guess == secret - 1
+        hit = await env.step({"guess": f" {secret} "})
+        assert hit.observation.feedback == "correct"
+        assert hit.reward == 1.0
+        assert hit.terminated
+    async with GuessNumberEnv(max_steps=5) as env:
+        await env.reset(seed=1)
+        read = [(await env.step({"guess": g})).observation for g in ("42.0", "1e2000", "2.5")]
+        assert [o.last_guess for o in read] == [42, None, None]
+        assert [o.feedback for o in read][1:] == ["invalid", "invalid"]
+
+
 async def test_guess_number_reset_options_and_unknown_option() -> None:
     async with GuessNumberEnv() as env:
         result = await env.reset(seed=1, high=5, max_steps=2)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, Field
 
 from envport.env import AnyAction, Env
+from envport.envs.arithmetic import parse_number
 from envport.errors import ActionValidationError, EnvNotResetError, ToolError
 from envport.tools import tool
 from envport.types import Action, Observation, StepResult
@@ -146,14 +147,12 @@ class GuessNumberObservation(Observation):
 
 
 def _parse_int(value: int | str) -> int | None:
+    """An integer guess, or None. Text is read exactly (not through a float, which holds
+    integers only up to 2**53), with :func:`parse_number`'s bounds on length and exponent."""
     if isinstance(value, int):
         return value
-    text = value.strip().replace(",", "").replace("_", "").replace("\u2212", "-")
-    try:
-        number = float(text)
-    except ValueError:
-        return None
-    if not number.is_integer():
+    number = parse_number(value.replace(",", "").replace("_", ""))
+    if number is None or number.denominator != 1:
         return None
     return int(number)
 
