@@ -17,7 +17,14 @@ from envport.check import check_env
 from envport.env import Env
 from envport.envs.arithmetic import ArithmeticEnv, parse_number
 from envport.envs.guess import GuessNumberEnv, GuessWordEnv, score_guess
-from envport.envs.sqldb import MAX_CELL_CHARS, MAX_RESULT_BYTES, QUESTIONS, SqlDbEnv
+from envport.envs.sqldb import (
+    MAX_CELL_CHARS,
+    MAX_PATTERN_CHARS,
+    MAX_RESULT_BYTES,
+    MAX_SQL_CHARS,
+    QUESTIONS,
+    SqlDbEnv,
+)
 from envport.errors import (
     ActionValidationError,
     EnvClosedError,
@@ -632,6 +639,28 @@ async def test_sqldb_long_query_is_stopped() -> None:
         with pytest.raises(ToolError, match=r"longer than 0\.2 s"):
             await env.call_tool("run_query", {"sql": endless})
         assert await rows(env, "SELECT 1") == [[1]]
+
+
+async def test_sqldb_costly_like_and_glob_patterns_are_refused() -> None:
+    # SQLite matches LIKE/GLOB inside one VM instruction, where no progress handler runs,
+    # in time (value length x pattern length): a 40,000-character pattern against a
+    # 98,000-character value ran ~5 s past a 0.2 s query_timeout_s, and a row of such
+    # calls for minutes, holding the episode's thread. Long patterns and long
+    # statements are refused instead, with the limit named; the episode goes on.
+    async with SqlDbEnv(query_timeout_s=0.2) as env:
+        await env.reset(seed=1)
+        value = "hex(zeroblob(49000))"
+        for op, wildcard in (("LIKE", "%"), ("GLOB", "*")):
+            sql = f"SELECT {value} {op} '{wildcard}' || hex(zeroblob(20000)) || '1'"
+            with pytest.raises(ToolError, match="pattern") as refused:
+                await env.call_tool("run_query", {"sql": sql})
+            assert str(MAX_PATTERN_CHARS) in str(refused.value)
+        long_sql = "SELECT " + " + ".join(["1"] * (MAX_SQL_CHARS // 4 + 1))
+        result = await env.step({"sql": long_sql})
+        assert result.observation.error is not None
+        assert f"{MAX_SQL_CHARS:,} characters" in result.observation.error
+        assert await rows(env, "SELECT name FROM departments WHERE name LIKE 'S%' LIMIT 0") == []
+        assert await rows(env, "SELECT 'Sales' GLOB 'S*', 'Sales' LIKE '%les'") == [[1, 1]]
 
 
 async def test_sqldb_truncates_after_max_steps() -> None:

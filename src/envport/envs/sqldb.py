@@ -9,8 +9,8 @@ send plain actions instead: ``{"sql": "SELECT ..."}`` or ``{"answer": "..."}``.
 
 Queries are read-only three times over: only ``SELECT``/``WITH`` statements are accepted,
 the connection is opened with ``mode=ro``, and ``PRAGMA query_only`` is set. Each query
-also gets a deadline, a cap on value size and a row limit, so one query cannot hang or
-flood the environment.
+also gets a deadline, caps on its length, on value size and on LIKE/GLOB patterns, and a
+row limit, so one query cannot hang or flood the environment.
 
 Threads: plain hooks run in the environment's worker thread and sync tools in others, so
 no ``sqlite3`` connection is shared. Every call opens its own connection under one lock
@@ -253,6 +253,14 @@ MAX_VALUE_BYTES = 100_000  # SQLITE_LIMIT_LENGTH: any one string or blob, in SQL
 MAX_COLUMNS = 100  # SQLITE_LIMIT_COLUMN
 MAX_CELL_CHARS = 1_000  # a text value, or a blob's hex, is cut to this many characters
 MAX_RESULT_BYTES = 256_000  # the rows as JSON; rows past it are left out
+# SQLite matches LIKE and GLOB within one VM instruction, where the progress handler never
+# runs, in time (value length x pattern length): with SQLite's default pattern limit
+# (50,000) one call on a long value takes seconds, and a row of such calls minutes, far
+# past ``query_timeout_s``. Patterns are capped (a call on a MAX_VALUE_BYTES value then
+# takes milliseconds), and so is the statement, which bounds how many calls one row makes.
+MAX_PATTERN_CHARS = 50  # SQLITE_LIMIT_LIKE_PATTERN_LENGTH
+MAX_SQL_CHARS = 10_000
+PROGRESS_EVERY = 1_000  # VM instructions between deadline checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,9 +587,15 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
         conn.execute("PRAGMA query_only = ON")
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
         conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, MAX_COLUMNS)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LIKE_PATTERN_LENGTH, MAX_PATTERN_CHARS)
         return conn
 
     def _query(self, sql: str) -> QueryResult:
+        if len(sql) > MAX_SQL_CHARS:
+            raise QueryError(
+                f"The query is {len(sql):,} characters long; at most {MAX_SQL_CHARS:,} "
+                "characters are allowed."
+            )
         keyword = first_keyword(sql)
         if keyword not in _READ_ONLY_START:
             shown = keyword or "(empty)"
@@ -592,7 +606,7 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
         self.queries_run += 1
         conn = self._connect()
         deadline = time.monotonic() + self.query_timeout_s
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), PROGRESS_EVERY)
         rows: list[list[Any]] = []
         notes: list[str] = []
         try:
@@ -625,6 +639,11 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
             if "readonly" in str(exc) or "read-only" in str(exc):
                 raise QueryError(
                     f"The database is read-only; the query tried to write ({exc})."
+                ) from exc
+            if "pattern too complex" in str(exc):
+                raise QueryError(
+                    f"SQL error: {exc}: a LIKE or GLOB pattern may have at most "
+                    f"{MAX_PATTERN_CHARS} characters."
                 ) from exc
             raise QueryError(f"SQL error: {exc}") from exc
         finally:
