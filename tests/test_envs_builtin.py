@@ -641,6 +641,29 @@ async def test_sqldb_long_query_is_stopped() -> None:
         assert await rows(env, "SELECT 1") == [[1]]
 
 
+async def test_sqldb_submit_answer_tool_takes_a_number_as_the_plain_action_does() -> None:
+    # A model that answers "how many" with a JSON number got invalid_args from the tool,
+    # while {"answer": 3} as a plain action was scored.
+    async with SqlDbEnv() as env:
+        await env.reset(seed=0, question_kind="count_employees")
+        expected = int(await reference(env))
+        right = await env.step(call("submit_answer", answer=expected))
+        assert right.observation.error is None
+        assert right.reward == 1.0
+        assert right.terminated
+        await env.reset(seed=0, question_kind="average_salary")
+        value = float(await reference(env))
+        assert (await env.call_tool("submit_answer", {"answer": value}))["correct"] is True
+        await env.reset(seed=0, question_kind="count_employees")
+        wrong = await env.call_tool("submit_answer", {"answer": expected + 0.5})
+        assert wrong["correct"] is False
+        await env.reset(seed=0)
+        with pytest.raises(ToolError, match="answer") as bad:
+            await env.call_tool("submit_answer", {"answer": [1]})
+        assert bad.value.kind == "invalid_args"
+        assert await env.call_tool("list_tables") == ["departments", "employees", "orders"]
+
+
 async def test_sqldb_costly_like_and_glob_patterns_are_refused() -> None:
     # SQLite matches LIKE/GLOB inside one VM instruction, where no progress handler runs,
     # in time (value length x pattern length): a 40,000-character pattern against a

@@ -533,11 +533,12 @@ class SqlDbEnv(Env[SqlAction, SqlObservation]):
                 raise ToolError(str(exc), kind="execution_error") from exc
 
     @tool
-    def submit_answer(self, answer: str) -> dict[str, Any]:
+    def submit_answer(self, answer: str | int | float) -> dict[str, Any]:
         """Submit your final answer to the question. Ends the episode.
 
         Args:
-            answer: The answer: a number or a name, as the question asks.
+            answer: The answer: a number (as a number or text) or a name, as the question
+                asks.
         """
         with self._lock:
             self._require_db()
