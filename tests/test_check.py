@@ -136,6 +136,14 @@ class ResourceIdsEnv(CountEnv):
         os.rmdir(self.workdir)
 
 
+class CarriesOverEnv(CountEnv):
+    """Starts each episode where the last one ended: seeded, yet the seed does not fix it."""
+
+    async def on_reset(self, seed: int | None, **options: Any) -> StepResult[CountObservation]:
+        self.total += self.rng.randint(0, 1000)
+        return StepResult(observation=CountObservation(total=self.total, start=self.total))
+
+
 class SetInfoEnv(CountEnv):
     """A set in every step's info: fine in-process, a 500 on every served /step."""
 
@@ -365,6 +373,12 @@ def test_sync_check_and_report_rendering() -> None:
             "disagree on state() after reset(): differs in secret",
         ),
         (UnseededStepEnv, "reset_determinism", "disagree on step 1 ({'amount': 1})"),
+        (
+            CarriesOverEnv,
+            "reset_determinism",
+            "again on the same instance, after an episode, disagrees with its first "
+            "episode on the first observation: differs in start, total",
+        ),
         (SetInfoEnv, "step", "step({'amount': 1})'s result cannot be served"),
         (HugeIntResetEnv, "reset", "reset()'s result cannot be served"),
         (HugeIntStateEnv, "state_roundtrip", "state() cannot be served"),

@@ -13,7 +13,8 @@ environment?* It builds the environment from an id (``echo-v1``), a
   re-validate; what ``reset``, ``step`` and ``state`` return encodes with the server's
   own encoder (orjson: a set in ``info`` or a 65-bit integer does not); a seed fixes the
   episode (two fresh instances agree on the first observation, on ``state()`` and on the
-  results of stepping the same actions, and neither draws from the unseeded global
+  results of stepping the same actions, the first replays its episode when reset again
+  with the seed, and neither draws from the unseeded global
   ``random`` or ``numpy.random``); ``step`` works; ``state().step_count`` counts steps
   and returns to 0 on ``reset``; rewards stay within ``reward_range``; ``step`` before
   ``reset`` raises ``EnvNotResetError``;
@@ -550,6 +551,22 @@ def _same(a: Any, b: Any, key: str = "") -> bool:
     )
 
 
+_PATH = "<an existing path>"
+
+
+def _paths_named(value: Any) -> Any:
+    """``value`` with each existing absolute path replaced by one marker, taken while the
+    episode runs: a path names the instance's or episode's own resource (a temporary
+    directory, an episode's file that the next reset removes), not what the seed drew."""
+    if isinstance(value, dict):
+        return {k: _paths_named(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_paths_named(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value) and os.path.exists(value):
+        return _PATH
+    return value
+
+
 def _diff(a: Any, b: Any) -> str:
     if isinstance(a, dict) and isinstance(b, dict):
         keys = sorted(k for k in a.keys() | b.keys() if not _same(a.get(k), b.get(k), str(k)))
@@ -863,6 +880,10 @@ class _Checker:
                 made.append(self._make())
                 trace_a = await self._trace(made[0])
                 drawn_a = _global_rng_state()
+                # The same instance, reset again with the same seed, replays its episode:
+                # nothing of the first (a counter, a history, a file) reaches the second.
+                _seed_global_rngs(1)
+                again_a = await self._trace(made[0])
                 _seed_global_rngs(2)
                 made.append(self._make())
                 trace_b = await self._trace(made[1])
@@ -897,6 +918,22 @@ class _Checker:
                 f"two fresh instances reset with seed={self.seed} ended after different "
                 f"numbers of steps ({len(trace_a)} and {len(trace_b)} results). {hint}"
             )
+        replayed = next(
+            (
+                (what, a, b)
+                for (what, a), (_, b) in zip(trace_a, again_a, strict=False)
+                if not _same(a, b)
+            ),
+            None,
+        )
+        if replayed is not None or len(trace_a) != len(again_a):
+            what, a, b = replayed or ("the number of steps", len(trace_a), len(again_a))
+            raise _Fail(
+                f"reset(seed={self.seed}) again on the same instance, after an episode, "
+                f"disagrees with its first episode on {what}: {_diff(a, b)}. Start every "
+                "episode afresh in on_reset: state left by the last episode must not reach "
+                "the next."
+            )
         # Per generator: an env that seeds `random` itself leaves numpy's as each run's
         # seeding left it (different in a and b, and untouched).
         drew = any(
@@ -919,24 +956,24 @@ class _Checker:
         and state(), with the declared (or probe) actions."""
         result = await self._reset(env, episode_id="envport-check")
         trace: list[tuple[str, Any]] = [
-            ("the first observation", _dump(result.observation)),
+            ("the first observation", _paths_named(_dump(result.observation))),
             ("the first reward", result.reward),
         ]
         state = await self._call(env.state(), "state()")
-        trace.append(("state() after reset()", _dump(state)))
+        trace.append(("state() after reset()", _paths_named(_dump(state))))
         actions = self._probe_actions()
         for i in range(self.steps if actions else 0):
             action = actions[i % len(actions)]
             result = await self._call(env.step(action), f"step({action!r})")
             outcome = {
-                "observation": _dump(result.observation),
+                "observation": _paths_named(_dump(result.observation)),
                 "reward": result.reward,
                 "terminated": result.terminated,
                 "truncated": result.truncated,
             }
             trace.append((f"step {i + 1} ({action!r})", outcome))
             state = await self._call(env.state(), "state()")
-            trace.append((f"step {i + 1}'s state()", _dump(state)))
+            trace.append((f"step {i + 1}'s state()", _paths_named(_dump(state))))
             if result.done:
                 break
         return trace
