@@ -763,3 +763,20 @@ async def test_close_twice_is_safe_and_final(env_id: str) -> None:
     await env.close()
     with pytest.raises(EnvClosedError):
         await env.step({"guess": 1} if env_id.startswith("guess") else {"answer": "1"})
+
+
+async def test_an_invalid_guess_is_echoed_back_cut() -> None:
+    """A megabyte guess used to come back whole in the message (and again as the last
+    guess): one bad action, megabytes into the agent's context and the trace."""
+    huge = "x" * 1_000_000
+    async with GuessWordEnv() as env:
+        await env.reset(seed=0)
+        bad = await env.step({"guess": huge})
+        assert bad.observation.valid is False
+        assert len(bad.observation.model_dump_json()) < 2_000
+        assert "1,000,000 chars" in bad.observation.message
+    async with GuessNumberEnv() as env:
+        await env.reset(seed=0)
+        bad = await env.step({"guess": huge})
+        assert bad.observation.feedback == "invalid"
+        assert len(bad.observation.model_dump_json()) < 2_000

@@ -146,6 +146,17 @@ class GuessNumberObservation(Observation):
     secret: int | None = Field(default=None, description="Revealed once the episode is over.")
 
 
+SHOWN_CHARS = 80  # of an invalid guess, echoed back: a megabyte guess is not a megabyte reply
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text):,} chars)"
+
+
+def _shown(raw: int | str) -> str:
+    return repr(raw) if not isinstance(raw, str) else repr(_cut(raw))
+
+
 def _parse_int(value: int | str) -> int | None:
     """An integer guess, or None. Text is read exactly (not through a float, which holds
     integers only up to 2**53), with :func:`parse_number`'s bounds on length and exponent."""
@@ -226,7 +237,7 @@ class GuessNumberEnv(_GuessGame):
         guess = _parse_int(raw)
         if guess is None:
             feedback = "invalid"
-            message = f"{raw!r} is not an integer."
+            message = f"{_shown(raw)} is not an integer."
         elif guess == self.secret:
             feedback, message = "correct", f"Correct! The number was {self.secret}."
         elif guess < self.secret:
@@ -369,10 +380,10 @@ class GuessWordEnv(_GuessGame):
         word = raw.strip().lower()
         if len(word) != 5 or not word.isalpha() or not word.isascii():
             outcome = self._record_attempt(False)
-            message = f"{raw!r} is not a five-letter word (letters a-z only)."
+            message = f"{_shown(raw)} is not a five-letter word (letters a-z only)."
             if outcome.truncated:
                 message += f" Out of guesses; the word was {self.secret!r}."
-            return self._observation(message, "", raw, valid=False), outcome
+            return self._observation(message, "", _cut(raw), valid=False), outcome
         marks = score_guess(self.secret, word)
         self.history.append((word, marks))
         outcome = self._record_attempt(word == self.secret)
