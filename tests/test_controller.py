@@ -984,3 +984,41 @@ async def test_harbor_tasks_of_one_dataset_share_one_granted_pool_across_batches
             assert result.succeeded, result.trace.errors
             assert one.id.rsplit("/", 1)[-1] in str(result.trace.steps[0].observation)
         assert len([key for key in ctl._pools if key.startswith("shell-v1")]) == 1
+
+
+class UnstorableHarness(ScriptHarness):
+    """Runs its script, then leaves on the trace what the store cannot write: a value that
+    is not JSON in the metadata (task ``bad-object``) or a NaN reward (``bad-nan``)."""
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        await super().run(task, env, trace)
+        mark = task.id.removeprefix("bad-")
+        if mark == "object":
+            trace.metadata["score_obj"] = object()
+        elif mark == "nan":
+            trace.reward = float("nan")
+
+
+async def test_a_trace_the_store_cannot_write_fails_its_rollout_only(
+    store: AsyncTraceStore,
+) -> None:
+    """A harness that leaves something unstorable on its trace fails that rollout, as the
+    harness's, stored with the value's repr; its siblings run on and the run ends."""
+    bad = [task("bad-object", ["hi"]), task("bad-nan", ["hi"])]
+    fine = [task(f"ok{i}", ["sleep:0.2", "hi"]) for i in range(3)]
+    config = ControllerConfig(**FAST)
+    ctl = Controller(store, InProcessBackend(), UnstorableHarness(), config, run_id="u")
+    summary = await ctl.run([RolloutSpec(t) for t in [*bad, *fine]])
+    assert (summary.rollouts, summary.succeeded, summary.failed, summary.retried) == (5, 3, 2, 0)
+    states = {r.rollout_id: r.state for r in db(store).rollouts(run_id="u")}
+    assert states == {
+        "u/bad-object/0": "failed",
+        "u/bad-nan/0": "failed",
+        **{f"u/ok{i}/0": "succeeded" for i in range(3)},
+    }
+    for rid in ("u/bad-object/0", "u/bad-nan/0"):
+        (stored,) = await store.query(rollout_id=rid)
+        assert (stored.status, stored.reward) == (TraceStatus.FAILED, None)
+        assert [(e.kind.value, e.where) for e in stored.errors] == [("harness", "store")]
+    (meta,) = await store.query(rollout_id="u/bad-object/0")
+    assert meta.metadata["score_obj"].startswith("<object object")

@@ -75,7 +75,7 @@ from envport.rollout.state import AttemptState, IllegalTransitionError, RolloutS
 from envport.rubrics import Rubric, RubricBuildError
 from envport.tasks import Task
 from envport.trace import AsyncTraceStore, ErrorKind, Run, Trace, TraceError, TraceStatus
-from envport.trace.store import AttemptRecord, RolloutRecord, SQLiteTraceStore
+from envport.trace.store import AttemptRecord, RolloutRecord, SQLiteTraceStore, check_reward
 
 _log = logging.getLogger(__name__)
 
@@ -1069,6 +1069,7 @@ class Controller:
             self._record(trace, stage, exc, classify(exc, stage))
         trace.timings["total"] = time.perf_counter() - t0
         trace.finished_at = datetime.now(UTC)
+        trace = f.trace = _storable(trace)
         # A rubric of metrics only (every weight 0) makes no total: completed, unscored.
         scored = trace.reward is not None or rubric is None or not rubric.weighted
         fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
@@ -1248,6 +1249,33 @@ class Controller:
                 lost.__cause__ = error
                 error = lost
             raise _StageFailed(stage, error) from error
+
+
+def _storable(trace: Trace) -> Trace:
+    """``trace``, or a copy the store can write, failed as the harness's.
+
+    The harness may put anything on the trace it is given (a numpy number in its
+    metadata, a non-finite reward). A trace the store refuses would raise out of the
+    rollout's task, and the controller's task group would cancel every sibling rollout:
+    instead, values that are not JSON are kept as their ``repr`` and the rollout fails
+    with a ``harness`` error that says why (never retried, never scored)."""
+    try:
+        check_reward(trace)
+        trace.to_json()
+    except Exception as exc:
+        clean = Trace.model_validate(trace.model_dump(mode="json", fallback=repr))
+        clean.reward = None
+        clean.errors.append(
+            TraceError(
+                kind=ErrorKind.HARNESS,
+                message=f"the trace cannot be stored ({exc}); values that are not JSON "
+                "are kept as their repr",
+                where="store",
+                type=type(exc).__qualname__,
+            )
+        )
+        return clean
+    return trace
 
 
 @functools.cache
