@@ -1022,3 +1022,58 @@ async def test_a_trace_the_store_cannot_write_fails_its_rollout_only(
         assert [(e.kind.value, e.where) for e in stored.errors] == [("harness", "store")]
     (meta,) = await store.query(rollout_id="u/bad-object/0")
     assert meta.metadata["score_obj"].startswith("<object object")
+
+
+class FirstRunStuckHarness(ScriptHarness):
+    """Its first run waits forever (beating, so no hang watchdog cuts it); later runs
+    play the script."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        self.runs += 1
+        if self.runs == 1:
+            await env.reset()
+            while True:
+                heartbeat()
+                await asyncio.sleep(0.05)
+        await super().run(task, env, trace)
+
+
+@pytest.mark.parametrize("wait_for_the_end", [True, False])
+async def test_rollouts_whose_wait_was_cancelled_run_again_when_submitted_again(
+    store: AsyncTraceStore, wait_for_the_end: bool
+) -> None:
+    """A trainer's wait_for around collect() cancels the rollouts it gathers; collecting
+    them again on the same controller runs them (once), not their old CancelledError."""
+    specs = [RolloutSpec(task("t", ["hi"]))]
+    harness = FirstRunStuckHarness()
+    running = asyncio.Event()
+
+    def seen(event: RolloutEvent) -> None:
+        if event.state is RolloutState.RUNNING:
+            running.set()
+
+    config = ControllerConfig(**FAST)
+    async with Controller(
+        store, InProcessBackend(), harness, config, run_id="c", on_event=seen
+    ) as ctl:
+        waiting = asyncio.ensure_future(ctl.collect(specs))
+        await asyncio.wait_for(running.wait(), 30)
+        waiting.cancel()
+        if wait_for_the_end:
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+        (result,) = await ctl.collect(specs)  # else: while the first is still cancelling
+        assert result.succeeded, result.trace.errors
+        if not wait_for_the_end:
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+    assert [(a.state, a.reason) for a in db(store).attempts(rollout_id="c/t/0")] == [
+        ("abandoned", "cancelled"),
+        ("succeeded", None),
+    ]
+    assert db(store).get_rollout("c/t/0").state == "succeeded"
+    assert len(await store.query(rollout_id="c/t/0")) == 1

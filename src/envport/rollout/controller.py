@@ -552,27 +552,8 @@ class Controller:
                     f"(pid {owner[0]}); stop it first, or use another run id"
                 )
         for rec in stale:
-            attempts = await self._call(self._db.attempts, rollout_id=rec.rollout_id)
-            open_attempt = next((a for a in attempts if not AttemptState(a.state).is_final), None)
-            if open_attempt is not None:
-                AttemptState(open_attempt.state).check(AttemptState.ABANDONED)
-                open_attempt = open_attempt.model_copy(
-                    update={
-                        "state": AttemptState.ABANDONED.value,
-                        "reason": "controller_restart",
-                        "finished_at": datetime.now(UTC),
-                    }
-                )
+            if await self._requeue(rec, "controller_restart"):
                 self.abandoned += 1
-            RolloutState(rec.state).check(RolloutState.PENDING)
-            await self._call(
-                self._db.advance_rollout,
-                rec.rollout_id,
-                expect=rec.state,
-                attempt=open_attempt,
-                state=RolloutState.PENDING.value,
-                controller=self.controller_id,
-            )
         by_shape: dict[tuple[str, Limits | None], list[EnvInstance]] = {}
         for instance in await self.backend.list({RUN_LABEL: self.run_id}):
             shape = parse_limits_label(instance.labels.get(LIMITS_LABEL, ""))
@@ -580,6 +561,31 @@ class Controller:
         for (env_id, limits), instances in by_shape.items():
             pool = self._pool(env_id) if limits is None else self._pool_with(env_id, limits)
             self.adopted += pool.adopt(instances)
+
+    async def _requeue(self, rec: RolloutRecord, reason: str) -> bool:
+        """Put an in-flight rollout back to pending, its open attempt ``abandoned`` for
+        ``reason``; whether there was an open attempt."""
+        attempts = await self._call(self._db.attempts, rollout_id=rec.rollout_id)
+        open_attempt = next((a for a in attempts if not AttemptState(a.state).is_final), None)
+        if open_attempt is not None:
+            AttemptState(open_attempt.state).check(AttemptState.ABANDONED)
+            open_attempt = open_attempt.model_copy(
+                update={
+                    "state": AttemptState.ABANDONED.value,
+                    "reason": reason,
+                    "finished_at": datetime.now(UTC),
+                }
+            )
+        RolloutState(rec.state).check(RolloutState.PENDING)
+        await self._call(
+            self._db.advance_rollout,
+            rec.rollout_id,
+            expect=rec.state,
+            attempt=open_attempt,
+            state=RolloutState.PENDING.value,
+            controller=self.controller_id,
+        )
+        return open_attempt is not None
 
     def _has_run(self) -> bool:
         return any(r.run_id == self.run_id for r in self._db.list_runs())
@@ -669,7 +675,8 @@ class Controller:
     def submit(self, specs: Iterable[RolloutSpec]) -> list[asyncio.Task[RolloutResult]]:
         """Start rollouts now (they queue on the limits); one task per spec, in order.
 
-        A rollout id already submitted to this controller returns its existing task. The
+        A rollout id already submitted to this controller returns its existing task, unless
+        that task was cancelled (then the requeued rollout runs again in a new one). The
         id includes the spec's group (:func:`rollout_id`): the same task and index in
         another group is another rollout. Two different tasks with one id are refused
         (:class:`~envport.errors.EnvportError`) before any rollout of the call starts.
@@ -697,8 +704,14 @@ class Controller:
         out: list[asyncio.Task[RolloutResult]] = []
         for rid, spec in batch:
             task = self._tasks.get(rid)
-            if task is None:
-                task = self._tg.create_task(self._rollout(spec, rid), name=f"rollout {rid}")
+            # A rollout whose task was cancelled (a caller's wait_for around collect()
+            # cancels the rollouts it gathers) was requeued as it ended: run it again,
+            # once the old task is done, instead of handing back its CancelledError.
+            if task is None or task.cancelled() or (task.cancelling() and not task.done()):
+                after = task
+                task = self._tg.create_task(
+                    self._rollout(spec, rid, after=after), name=f"rollout {rid}"
+                )
                 self._tasks[rid] = task
             out.append(task)
         return out
@@ -768,7 +781,11 @@ class Controller:
             gate = self._env_gates[env_id] = asyncio.Semaphore(self.config.env_concurrency[env_id])
         return gate
 
-    async def _rollout(self, spec: RolloutSpec, rid: str) -> RolloutResult:
+    async def _rollout(
+        self, spec: RolloutSpec, rid: str, after: asyncio.Task[RolloutResult] | None = None
+    ) -> RolloutResult:
+        if after is not None:  # a cancelled run of this rollout, still recording its end
+            await asyncio.wait({after})
         task = spec.task
         max_attempts = spec.max_attempts or self.config.max_attempts
         rec = await self._call(
@@ -787,6 +804,12 @@ class Controller:
         skipped = await self._skip(rid, rec)
         if skipped is not None:
             return skipped
+        if after is not None and RolloutState(rec.state) is not RolloutState.PENDING:
+            # Its cancelled run was cut between two writes (before its attempt began, or
+            # as it was marked retrying), where nothing recorded it abandoned: this
+            # controller's own rollout, requeued here.
+            await self._requeue(rec, "cancelled")
+            rec = await self._call(self._db.get_rollout, rid)
         if RolloutState(rec.state) is not RolloutState.PENDING:
             raise IllegalTransitionError(
                 f"rollout {rid!r} is {rec.state!r} under controller {rec.controller}; "
