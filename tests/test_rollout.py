@@ -657,3 +657,33 @@ async def test_pool_drops_lost_sessions_and_recycles_after_half_are_lost() -> No
     assert pool.stats().retired == 1
     await pool.aclose()
     assert backend.stopped == [instance]
+
+
+class GatedBackend(CountingBackend):
+    """``start`` returns only once ``gate`` is set: a start still running at any moment
+    the test picks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def start(self, launch: EnvLaunch) -> EnvInstance:
+        await self.gate.wait()
+        return await super().start(launch)
+
+
+async def test_an_instance_whose_start_ends_after_the_pool_closed_is_stopped() -> None:
+    """A lease (or a warm start) still starting its instance when the pool is closed gets
+    PoolClosedError, and the instance it started is stopped, not left running."""
+    backend = GatedBackend()
+    pool = EnvPool(backend, EnvLaunch(env_id="echo-v1"))
+    leasing = asyncio.create_task(_lease_once(pool))
+    warming = asyncio.create_task(pool._warm_one())
+    await wait_for(lambda: pool.stats().starting == 2)
+    await pool.aclose()
+    backend.gate.set()
+    with pytest.raises(PoolClosedError):
+        await leasing
+    await warming
+    assert len(backend.started) == 2
+    assert sorted(backend.stopped) == sorted(backend.started)

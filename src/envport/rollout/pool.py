@@ -219,12 +219,11 @@ class EnvPool:
             self._starting -= 1
             self._notify()
         self._started += 1
+        if self._closed:  # closed while it started: do not leak it
+            await self._stop_late(instance)
+            raise PoolClosedError(f"the pool for {self.launch.env_id!r} is closed")
         slot = _Slot(instance, leases=1)
         self._slots[instance.instance_id] = slot
-        if self._closed:  # closed while it started: do not leak it
-            slot.leases = 0
-            self._retire_slot(slot, "pool closed")
-            raise PoolClosedError(f"the pool for {self.launch.env_id!r} is closed")
         return slot, time.perf_counter() - t0
 
     # --- maintenance --------------------------------------------------------------------
@@ -242,9 +241,10 @@ class EnvPool:
             self._starting -= 1
             self._notify()
         self._started += 1
-        self._slots[instance.instance_id] = _Slot(instance)
         if self._closed:
-            self._retire_slot(self._slots[instance.instance_id], "pool closed")
+            await self._stop_late(instance)
+            return
+        self._slots[instance.instance_id] = _Slot(instance)
         self._notify()
 
     async def _stop(self, instance: EnvInstance) -> None:
@@ -264,6 +264,13 @@ class EnvPool:
                 exc_info=True,
             )
         self._stopping.pop(instance.instance_id, None)
+
+    async def _stop_late(self, instance: EnvInstance) -> None:
+        """Stop an instance whose start ended after :meth:`aclose` ran: nothing else
+        would (``aclose`` stopped what it found, and nothing reaps ``_to_stop`` once the
+        pool is closed). Shielded: a cancelled caller still leaves it stopping."""
+        self._retired += 1
+        await asyncio.shield(self._stop(instance))  # logs a failure, never raises one
 
     async def _check(self, slot: _Slot) -> None:
         try:
