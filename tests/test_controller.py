@@ -1077,3 +1077,44 @@ async def test_rollouts_whose_wait_was_cancelled_run_again_when_submitted_again(
     ]
     assert db(store).get_rollout("c/t/0").state == "succeeded"
     assert len(await store.query(rollout_id="c/t/0")) == 1
+
+
+class HeldHarness(ScriptHarness):
+    """Resets, then beats until ``release`` is set (``started`` says it got there), then
+    steps: a rollout in use for as long as the test likes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def run(self, task: Task, env: EnvClient, trace: Trace) -> None:
+        await env.reset()
+        self.started.set()
+        while not self.release.is_set():
+            heartbeat()
+            await asyncio.sleep(0.05)
+        await env.step({"message": "after"})
+
+
+async def test_a_controller_of_the_same_run_leaves_a_live_one_s_instances_alone(
+    store: AsyncTraceStore, tmp_path: Path
+) -> None:
+    """Two controllers of one run in one process (Evaluator.run_one with a shared
+    backend): the second re-adopts none of the first's instances, so its exit stops none
+    of them under the first's rollout."""
+    config = ControllerConfig(**{**FAST, "hang_timeout_s": 10.0})
+    held = HeldHarness()
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        async with Controller(store, backend, held, config, run_id="s") as first:
+            (running,) = first.submit([RolloutSpec(task("held", ["hi"]))])
+            await asyncio.wait_for(held.started.wait(), 60)
+            second = Controller(store, backend, ScriptHarness(), config, run_id="s")
+            summary = await second.run([RolloutSpec(task("quick", ["hi"]))])
+            assert (summary.succeeded, summary.adopted) == (1, 0)
+            held.release.set()
+            result = await running
+        assert result.succeeded, result.trace.errors
+        assert result.attempts == 1
+        assert [a.state for a in db(store).attempts(rollout_id="s/held/0")] == ["succeeded"]
+    assert list((tmp_path / "instances").iterdir()) == []

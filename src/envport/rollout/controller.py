@@ -87,6 +87,10 @@ RUN_LABEL = "envport-run"
 #: controller puts it back in the pool of that shape.
 LIMITS_LABEL = "envport-limits"
 
+#: The controller that started an instance (the random part of its id): a controller of
+#: the same run alive in this process holds it, and it is not re-adopted.
+OWNER_LABEL = "envport-controller"
+
 _LIMIT_KEYS = (("c", "cpus"), ("m", "memory_mb"), ("p", "pids"), ("d", "disk_mb"))
 
 
@@ -117,6 +121,8 @@ def parse_limits_label(value: str) -> Limits | None:
 
 #: Controllers alive in this process: their in-flight rollouts are not stale.
 _LIVE: set[str] = set()
+#: Instance id -> the live controller in this process that re-adopted it.
+_ADOPTED: dict[str, str] = {}
 
 
 class ControllerConflictError(EnvportError):
@@ -406,6 +412,12 @@ class _Flight:
     next_health: float = 0.0
 
 
+def _owner(controller_id: str) -> str:
+    """A controller id's random part: the :data:`OWNER_LABEL` value (a label value on
+    every backend, Kubernetes' rules included)."""
+    return controller_id.rsplit(":", 1)[-1]
+
+
 def _controller_id() -> str:
     """``host:PID-tSTART:random``: the owner tag (:func:`envport.procs.owner_tag`) tells
     this process from a later one that gets the same pid."""
@@ -507,6 +519,8 @@ class Controller:
         """Cancel whatever still runs (the next controller re-runs it), stop instances."""
         assert self._tg is not None
         _LIVE.discard(self.controller_id)
+        for instance_id in [i for i, c in _ADOPTED.items() if c == self.controller_id]:
+            del _ADOPTED[instance_id]
         for task in [*self._services, *self._tasks.values()]:
             task.cancel()
         # Children are cancelled above; hand the task group only a cancellation, so an
@@ -554,8 +568,18 @@ class Controller:
         for rec in stale:
             if await self._requeue(rec, "controller_restart"):
                 self.abandoned += 1
+        # Instances of the run that another live controller here holds (one it started,
+        # or re-adopted) are in use by it (Evaluator.run_one makes a controller per
+        # rollout): adopted here, they would be shared, and stopped when this one exits.
+        others = _LIVE - {self.controller_id}
+        owners = {_owner(c) for c in others}
         by_shape: dict[tuple[str, Limits | None], list[EnvInstance]] = {}
         for instance in await self.backend.list({RUN_LABEL: self.run_id}):
+            if instance.labels.get(OWNER_LABEL) in owners:
+                continue
+            if _ADOPTED.get(instance.instance_id) in others:
+                continue
+            _ADOPTED[instance.instance_id] = self.controller_id
             shape = parse_limits_label(instance.labels.get(LIMITS_LABEL, ""))
             by_shape.setdefault((instance.env_id, shape), []).append(instance)
         for (env_id, limits), instances in by_shape.items():
@@ -650,7 +674,11 @@ class Controller:
                 options=cfg.env_options.get(env_id, {}),
                 sessions=cfg.sessions_per_instance,
                 limits=limits,
-                labels={RUN_LABEL: self.run_id, LIMITS_LABEL: limits_label(limits)},
+                labels={
+                    RUN_LABEL: self.run_id,
+                    LIMITS_LABEL: limits_label(limits),
+                    OWNER_LABEL: _owner(self.controller_id),
+                },
                 start_timeout_s=start_s,
                 workspace_roots=tuple(sorted(roots)),
             )
