@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -641,6 +642,29 @@ async def test_env_start_is_one_deadline_for_the_lease_and_the_session_s_opening
     (trace,) = await store.query(run_id="r")
     assert trace.errors[0].where == "env_start"
     assert trace.stop_reason == "timeout"
+
+
+async def test_an_os_error_starting_an_instance_is_retried_as_infrastructure(
+    store: AsyncTraceStore,
+) -> None:
+    """The machine running out of descriptors (or a refused connection) while an instance
+    starts is the infrastructure's: the rollout was failed as the harness's, not retried."""
+
+    class OutOfFds(InProcessBackend):
+        failed = False
+
+        async def start(self, launch: EnvLaunch) -> EnvInstance:
+            if not self.failed:
+                self.failed = True
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await super().start(launch)
+
+    config = ControllerConfig(max_attempts=2, **FAST)
+    summary = await Controller(store, OutOfFds(), ScriptHarness(), config, run_id="r").run(
+        [RolloutSpec(task("t", ["hi"]))]
+    )
+    assert summary.succeeded == 1
+    assert summary.retried == 1
 
 
 async def test_two_different_tasks_with_one_id_are_refused_before_either_runs(

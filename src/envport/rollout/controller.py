@@ -183,7 +183,7 @@ def classify(exc: BaseException, stage: str) -> ErrorKind:
         return ErrorKind.INFRASTRUCTURE
     if stage == "scoring":
         return ErrorKind.RUBRIC
-    if stage == "env_start" and isinstance(exc, TimeoutError):
+    if stage == "env_start" and isinstance(exc, OSError):  # timeouts, refused, out of fds
         return ErrorKind.INFRASTRUCTURE
     if isinstance(exc, EnvportError) and exc.details.get("failure") == "sandbox":
         return ErrorKind.SANDBOX  # a SandboxFailure, raised here or sent by a server
