@@ -9,6 +9,7 @@ the unisolated fallback and its refusal are tested everywhere by replacing the p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -758,3 +759,113 @@ def test_a_bwrap_without_disable_userns_still_confines_the_rest(tmp_path: Path) 
     new.write_text("#!/bin/sh\nexit 0\n")
     new.chmod(0o755)
     assert confinement_args(str(new))[-len(NO_NESTED_USERNS) :] == NO_NESTED_USERNS
+
+
+# --- host-side file access vs. a sandbox that swaps paths under it ----------------------
+# The controller reads and writes the workspace as root on the host; the sandbox may
+# replace any component by a symlink to a host file between a check and the open.
+
+_SWAPPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+os.chdir("/workspace")
+open("real", "w").write("decoy")
+os.symlink(sys.argv[1], "link")
+open("ready", "w").close()
+while True:  # 'link' is in turn the decoy file and a symlink to the host's file
+    libc.renameat2(-100, b"real", -100, b"link", 2)  # RENAME_EXCHANGE
+"""
+
+
+@pytest.fixture
+def host_secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "host" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("HOST-SECRET\n")
+    return secret
+
+
+def _swap_after_check(monkeypatch: pytest.MonkeyPatch, name: str, target: Path) -> None:
+    """The sandbox's move, made at the worst moment: right after the controller's check
+    of ``name``, it becomes a symlink to the host's ``target``."""
+    check = Sandbox.host_path
+
+    def host_path(self: Sandbox, path: str) -> Path:
+        found = check(self, path)
+        if path == name:
+            where = self.host_workdir / name
+            where.unlink()
+            where.symlink_to(target)
+        return found
+
+    monkeypatch.setattr(Sandbox, "host_path", host_path)
+
+
+@needs_isolation
+async def test_read_file_never_reads_a_host_file_swapped_in_after_the_check(
+    runtime: Path, host_secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.write_file("answer.txt", "decoy")
+        _swap_after_check(monkeypatch, "answer.txt", host_secret)
+        with pytest.raises(SandboxPathError, match="outside the workspace"):
+            await sb.read_file("answer.txt")
+
+
+@needs_isolation
+async def test_write_file_never_writes_a_host_file_swapped_in_after_the_check(
+    runtime: Path, host_secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.write_file("notes.txt", "decoy")
+        _swap_after_check(monkeypatch, "notes.txt", host_secret)
+        with pytest.raises(SandboxPathError, match="outside the workspace"):
+            await sb.write_file("notes.txt", "pwned", mode=0o777)
+    assert await asyncio.to_thread(host_secret.read_text) == "HOST-SECRET\n"
+    assert (await asyncio.to_thread(host_secret.stat)).st_mode & 0o777 != 0o777
+
+
+@needs_isolation
+async def test_list_dir_never_lists_a_host_dir_swapped_in_after_the_check(
+    runtime: Path, host_secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        await sb.exec("mkdir sub")
+        check = Sandbox.host_path
+
+        def host_path(self: Sandbox, path: str) -> Path:
+            found = check(self, path)
+            if path == "sub" and (self.host_workdir / "sub").is_dir():
+                (self.host_workdir / "sub").rmdir()
+                (self.host_workdir / "sub").symlink_to(host_secret.parent)
+            return found
+
+        monkeypatch.setattr(Sandbox, "host_path", host_path)
+        with pytest.raises(SandboxPathError):
+            await sb.list_dir("sub")
+
+
+@needs_isolation
+async def test_file_tools_stay_in_the_workspace_against_a_live_swapper(
+    runtime: Path, host_secret: Path
+) -> None:
+    """A real race: a process of the sandbox exchanges a file and a symlink to a host file
+    as fast as it can while the controller reads and writes the file (unpatched, one
+    read in about seven returned the host file)."""
+    if not os.path.exists("/usr/bin/python3"):  # noqa: ASYNC240
+        pytest.skip("no /usr/bin/python3 to race with")
+    async with await Sandbox.create(cfg(runtime, keep_background=True)) as sb:
+        await sb.write_file("swap.py", _SWAPPER)
+        started = await sb.exec(
+            f"python3 swap.py {host_secret} >/dev/null 2>&1 & "
+            "while [ ! -e ready ]; do sleep 0.01; done"
+        )
+        assert started.exit_code == 0
+        seen: set[str] = set()
+        for _ in range(300):
+            with contextlib.suppress(SandboxError, FileNotFoundError):
+                seen.add(await sb.read_file("link"))
+            with contextlib.suppress(SandboxError, FileNotFoundError):
+                await sb.write_file("link", "pwned")
+    assert await asyncio.to_thread(host_secret.read_text) == "HOST-SECRET\n"
+    assert "HOST-SECRET\n" not in seen

@@ -72,6 +72,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -82,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 
 from envport.procs import owner_alive, owner_tag, parse_owner
 from envport.sandbox import mounts
+from envport.sandbox.beneath import open_beneath
 from envport.sandbox.cgroups import CgroupSet, own_cgroups
 from envport.sandbox.config import (
     TIMEOUT_EXIT_CODE,
@@ -496,7 +498,19 @@ class Sandbox:
 
     def host_path(self, path: str) -> Path:
         """Where sandbox path ``path`` (absolute, or relative to the workdir) is on the
-        host; :class:`SandboxPathError` unless it lies in the workspace."""
+        host; :class:`SandboxPathError` unless it lies in the workspace.
+
+        Only a check, as of now: the sandbox may swap a component for a symlink the next
+        moment. The file methods below open through :func:`.beneath.open_beneath`."""
+        rel = self._workspace_rel(path)
+        root = self.host_workdir
+        target = root / rel
+        if not target.resolve().is_relative_to(root.resolve()):
+            raise self._escapes(path)
+        return target
+
+    def _workspace_rel(self, path: str) -> str:
+        """``path`` relative to the workdir (``""`` for the workdir itself), lexically."""
         if not path:
             raise SandboxPathError("empty path")
         full = path if path.startswith("/") else posixpath.join(self.workdir, path)
@@ -506,13 +520,32 @@ class Sandbox:
                 f"{path!r} is outside the workspace {self.workdir}; the file tools reach only "
                 "the workspace (run a shell command for anything else)"
             )
-        root = self.host_workdir
-        target = root / norm[len(self.workdir) :].lstrip("/")
-        if not target.resolve().is_relative_to(root.resolve()):
-            raise SandboxPathError(
-                f"{path!r} leads (through a symlink) outside the workspace {self.workdir}"
-            )
-        return target
+        return norm[len(self.workdir) :].lstrip("/")
+
+    def _escapes(self, path: str) -> SandboxPathError:
+        return SandboxPathError(
+            f"{path!r} leads (through a symlink) outside the workspace {self.workdir}"
+        )
+
+    def _open(self, path: str, flags: int, mode: int = 0o666) -> int:
+        """A descriptor of workspace path ``path``, opened as root on the host but never
+        outside the workspace, whatever the sandbox swaps meanwhile (:mod:`.beneath`):
+        symlinks are followed only while they stay in it. ``FileNotFoundError`` if a
+        component is missing (or not a directory)."""
+        with contextlib.suppress(OSError):  # a path changing under it: the open decides
+            self.host_path(path)  # a clear error for the plain case
+        rel = self._workspace_rel(path)
+        root = os.open(self.host_workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_beneath(root, rel, flags, mode)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.ELOOP):
+                raise self._escapes(path) from None
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise FileNotFoundError(f"{path}: no such file in the sandbox") from None
+            raise
+        finally:
+            os.close(root)
 
     async def read_file(self, path: str, *, max_bytes: int = MAX_READ_BYTES) -> str:
         """A text file's content (``FileNotFoundError`` if missing)."""
@@ -520,64 +553,132 @@ class Sandbox:
 
     async def read_bytes(self, path: str, *, max_bytes: int = MAX_READ_BYTES) -> bytes:
         self._check_open()
-        target = self.host_path(path)
-        if not target.exists():
-            raise FileNotFoundError(f"{path}: no such file in the sandbox")
-        if not target.is_file():
-            raise SandboxError(f"cannot read {path!r}: not a regular file")
-        size = target.stat().st_size
-        if size > max_bytes:
-            raise SandboxError(
-                f"{path!r} is {size} bytes, over the {max_bytes}-byte read limit; read part "
-                "of it with exec(), e.g. `head -c 10000 FILE`"
-            )
-        return await asyncio.to_thread(target.read_bytes)
+
+        def read() -> bytes:
+            # O_NONBLOCK: a fifo swapped in must not hang the reading thread
+            fd = self._open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise SandboxError(f"cannot read {path!r}: not a regular file")
+                if st.st_size > max_bytes:
+                    raise SandboxError(
+                        f"{path!r} is {st.st_size} bytes, over the {max_bytes}-byte read "
+                        "limit; read part of it with exec(), e.g. `head -c 10000 FILE`"
+                    )
+                chunks, left = [], max_bytes + 1  # a file still growing: no more than that
+                while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                    chunks.append(chunk)
+                    left -= len(chunk)
+                return b"".join(chunks)[:max_bytes]
+            finally:
+                os.close(fd)
+
+        return await asyncio.to_thread(read)
 
     async def write_file(self, path: str, content: str | bytes, *, mode: int | None = None) -> int:
         """Write a file (parents created); returns the bytes written."""
         self._check_open()
-        target = self.host_path(path)
-        if target.is_dir():
-            raise SandboxError(f"cannot write {path!r}: it is a directory")
+        rel = self._workspace_rel(path)
         data = content.encode("utf-8") if isinstance(content, str) else content
 
         def write() -> None:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-            if mode is not None:
-                target.chmod(mode)
+            parent = posixpath.dirname(rel)
+            self._make_dirs(path, parent)
+            try:
+                fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
+                                | os.O_NOCTTY)  # fmt: skip
+            except IsADirectoryError:
+                raise SandboxError(f"cannot write {path!r}: it is a directory") from None
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # a fifo without a reader
+                    raise SandboxError(f"cannot write {path!r}: not a regular file") from None
+                raise
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise SandboxError(f"cannot write {path!r}: not a regular file")
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if mode is not None:
+                        os.fchmod(fd, mode)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)  # no partial file left behind
+                    raise
+            finally:
+                os.close(fd)
 
         try:
             await asyncio.to_thread(write)
+        except (SandboxError, FileNotFoundError):
+            raise
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                target.unlink()  # no partial file left behind
-            if exc.errno == 28:  # ENOSPC
+            if exc.errno == errno.ENOSPC:
                 raise SandboxError(
                     f"cannot write {path!r}: the workspace is full (disk_mb={self.config.disk_mb})"
                 ) from exc
             raise SandboxError(f"cannot write {path!r}: {exc.strerror or exc}") from exc
         return len(data)
 
+    def _make_dirs(self, path: str, parent: str) -> None:
+        """``mkdir -p`` of workspace directory ``parent`` (relative), each directory made
+        in its parent as opened beneath the workspace."""
+        parts = [p for p in parent.split("/") if p]
+        for i in range(len(parts)):
+            here = "/".join(parts[: i + 1])
+            try:
+                os.close(self._open_rel(path, here, os.O_PATH | os.O_DIRECTORY))
+                continue
+            except FileNotFoundError:
+                pass
+            up = self._open_rel(path, "/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(parts[i], 0o777, dir_fd=up)
+            finally:
+                os.close(up)
+
+    def _open_rel(self, path: str, rel: str, flags: int) -> int:
+        root = os.open(self.host_workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_beneath(root, rel, flags)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.ELOOP):
+                raise self._escapes(path) from None
+            if exc.errno == errno.ENOENT:
+                raise FileNotFoundError(rel) from None
+            raise
+        finally:
+            os.close(root)
+
     async def list_dir(self, path: str = ".") -> list[dict[str, Any]]:
         """Entries of a directory: name, type (file, dir, symlink, other) and size."""
         self._check_open()
-        target = self.host_path(path)
-        if not target.is_dir():
-            raise SandboxError(f"cannot list {path!r}: not a directory")
-        entries = []
-        for entry in sorted(target.iterdir())[:MAX_LIST_ENTRIES]:
-            if entry.is_symlink():
-                kind = "symlink"
-            elif entry.is_dir():
-                kind = "dir"
-            elif entry.is_file():
-                kind = "file"
-            else:
-                kind = "other"
-            size = entry.lstat().st_size if kind == "file" else None
-            entries.append({"name": entry.name, "type": kind, "size": size})
-        return entries
+        try:
+            fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            raise SandboxError(f"cannot list {path!r}: not a directory") from None
+        except NotADirectoryError:
+            raise SandboxError(f"cannot list {path!r}: not a directory") from None
+        try:
+            with os.scandir(fd) as found:  # names and lstat relative to fd: no path
+                listed = sorted(found, key=lambda e: e.name)[:MAX_LIST_ENTRIES]
+            entries = []
+            for entry in listed:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # gone meanwhile
+                kind = ("symlink" if stat.S_ISLNK(st.st_mode) else "dir"
+                        if stat.S_ISDIR(st.st_mode) else "file"
+                        if stat.S_ISREG(st.st_mode) else "other")  # fmt: skip
+                size = st.st_size if kind == "file" else None
+                entries.append({"name": entry.name, "type": kind, "size": size})
+            return entries
+        finally:
+            os.close(fd)
 
     # --- snapshot, restore, reset, fork ------------------------------------------------
 
