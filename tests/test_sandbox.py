@@ -869,3 +869,28 @@ async def test_file_tools_stay_in_the_workspace_against_a_live_swapper(
                 await sb.write_file("link", "pwned")
     assert await asyncio.to_thread(host_secret.read_text) == "HOST-SECRET\n"
     assert "HOST-SECRET\n" not in seen
+
+
+@needs_isolation
+@pytest.mark.parametrize(
+    "plant",
+    [
+        # starts a process whenever a child of the shell ends, between steps too
+        "trap '( (sleep 1000 &) )' CHLD; sleep 100 &",
+        # starts one while the controller's reset inspects the shell
+        "trap '[[ $BASH_COMMAND == declare* ]] && ( (sleep 1000 &) )' DEBUG",
+        # the same through an alias of a builtin the inspection runs
+        "shopt -s expand_aliases; alias declare='( (sleep 1000 &) ); declare'",
+    ],
+)
+async def test_reset_leaves_no_process_or_trap_of_the_last_episode(
+    runtime: Path, plant: str
+) -> None:
+    """An episode's agent must not reach the next episode of the same sandbox."""
+    async with await Sandbox.create(cfg(runtime)) as sb:
+        assert (await sb.exec(plant)).exit_code == 0
+        await sb.reset()
+        # the sandbox's monitor, its init and the shell: nothing of the last episode
+        assert len(sb.process_ids()) == 3, sb.process_ids()
+        after = await sb.exec("trap -p; alias -p; jobs -p")
+        assert after.stdout == ""

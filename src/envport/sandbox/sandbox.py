@@ -800,11 +800,13 @@ class Sandbox:
             if dirty is None:
                 options = _FRESH_OPTIONS.get(self.isolated)
                 ipc = any(line.startswith("ipc") for line in leftovers.splitlines())
+                traps = any(name != "EXIT" for name in _TRAP_LINE.findall(leftovers))
                 shadows = _shadows_builtins(captured)
-                if options is None or shadows or ipc:
+                if options is None or shadows or ipc or traps:
                     self.reset_restarted = (
                         "a function named after a builtin" if shadows
                         else "System V IPC objects" if ipc
+                        else "traps set" if traps
                         else "no fresh shell's options known"
                     )  # fmt: skip
                 else:
@@ -820,6 +822,11 @@ class Sandbox:
                         script = f"enable -- {' '.join(map(shlex.quote, disabled))}\n{script}"
             if script is not None:  # builtins only: no process started
                 await self._internal(script)
+                # ... by the controller. The agent's shell ran the capture (an alias under
+                # expand_aliases, a PS4 under xtrace may start processes there); its
+                # state is a fresh shell's now, so what is left is killed for good.
+                if await self._kill_strays():
+                    await self._internal("wait 2>/dev/null")
             else:
                 await self._restart_shell(count=False)
             self._drop_stale()
@@ -1225,12 +1232,17 @@ def _stderr_of(proc: subprocess.Popen[bytes]) -> str:
 
 
 _LEFTOVERS = "__ENVPORT_LEFTOVERS__"
-#: Disabled builtins (``enable -n NAME`` lines).
-_DISABLED_SCRIPT = "enable -n"
+#: Disabled builtins (``enable -n NAME`` lines) and traps (``trap -p``: a ``CHLD``,
+#: ``DEBUG`` or ``ERR`` trap runs the agent's code whenever the controller's own lines
+#: run or a process ends, even between steps; cleaned in place, what it started would
+#: reach the next episode, so a shell with any trap but ``EXIT`` is restarted instead).
+_DISABLED_SCRIPT = "enable -n; trap -p"
+#: The last line of each ``trap -p`` entry (bash quotes the body, so each ends so).
+_TRAP_LINE = re.compile(r"' (\S+)$", re.M)
 #: ... and an ``ipc`` line per kind of System V IPC object the sandbox has (builtins only).
 _LEFTOVERS_SCRIPT = (
-    "enable -n; for __k in shm msg sem; do { read -r _; read -r __l; } < /proc/sysvipc/$__k "
-    '&& [ -n "$__l" ] && printf \'ipc %s\\n\' "$__k"; done; unset -v __k __l'
+    "enable -n; trap -p; for __k in shm msg sem; do { read -r _; read -r __l; } "
+    '< /proc/sysvipc/$__k && [ -n "$__l" ] && printf \'ipc %s\\n\' "$__k"; done; unset -v __k __l'
 )
 _BUILTINS = frozenset(
     [
