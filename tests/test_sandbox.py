@@ -894,3 +894,60 @@ async def test_reset_leaves_no_process_or_trap_of_the_last_episode(
         assert len(sb.process_ids()) == 3, sb.process_ids()
         after = await sb.exec("trap -p; alias -p; jobs -p")
         assert after.stdout == ""
+
+
+# Swaps ./d and ./e (a symlink to a host directory) in a loop, as an agent can in its
+# workspace while the host copies it (renameat2 RENAME_EXCHANGE).
+SWAPPER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None)
+os.chdir(sys.argv[1])
+print("go", flush=True)
+while True:
+    libc.renameat2(-100, b"d", -100, b"e", 2)
+"""
+
+
+def test_a_tree_swapped_while_it_is_copied_never_yields_a_host_file(tmp_path: Path) -> None:
+    """A snapshot (and so a fork) copies the agent's live upper layer as root on the
+    host. The copy walked it by path: a directory swapped for a symlink to a host
+    directory between its stat and its listing was copied from the host (the forked
+    child then read the host's file). Each entry is now opened in its directory's
+    descriptor with O_NOFOLLOW."""
+    import subprocess
+
+    from envport.sandbox.layers import copy_tree
+
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret.txt").write_text("HOST-SECRET")
+    src = tmp_path / "upper"
+    src.mkdir()
+    (src / "d").mkdir()
+    (src / "d" / "secret.txt").write_text("decoy")
+    os.symlink(host, src / "e")
+    for i in range(1500):  # entries to copy before d and e come round
+        (src / f"f{i}").write_text(str(i))
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", SWAPPER, str(src)], stdout=subprocess.PIPE, text=True
+    )
+    leaked = []
+    try:
+        assert swapper.stdout is not None
+        assert swapper.stdout.readline() == "go\n"
+        for k in range(40):
+            dst = tmp_path / f"copy{k}"
+            dst.mkdir()
+            with contextlib.suppress(OSError):  # the race may make a copy fail: never leak
+                copy_tree(src, dst)
+            for here, _, files in os.walk(dst):  # symlinks not followed
+                for name in files:
+                    path = Path(here, name)
+                    if not path.is_symlink() and "HOST" in path.read_text():
+                        leaked.append(path)
+    finally:
+        swapper.kill()
+        swapper.wait()
+        if swapper.stdout is not None:
+            swapper.stdout.close()
+    assert leaked == []

@@ -95,21 +95,130 @@ def copy_tree(src: Path, dst: Path) -> None:
     millisecond). Keeps what overlayfs needs in a layer: modes, owners, timestamps,
     extended attributes (``trusted.overlay.opaque`` marks a directory that hides the ones
     below), symlinks, and device nodes (a 0:0 character device is a *whiteout*: a file
-    deleted above a lower layer). Hard links become separate copies."""
-    _copy_attrs(src, dst)
-    stack = [(src, dst)]
-    while stack:
-        here, there = stack.pop()
-        with os.scandir(here) as entries:
-            for entry in entries:
-                target = os.path.join(there, entry.name)
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
+    deleted above a lower layer). Hard links become separate copies.
+
+    ``src`` may change while it is copied (a live sandbox's upper layer: its agent can
+    swap any entry for a symlink to a host path at any moment, and this runs as root on
+    the host). So it is read through descriptors only: each entry is opened with
+    ``O_NOFOLLOW`` in its directory's descriptor and copied as what it is once open
+    (``fstat``), and a symlink's target is only ever read, never followed. Nothing
+    outside ``src`` is read, whatever is swapped meanwhile; an entry gone meanwhile is
+    left out."""
+    root = os.open(src, _DIR_FLAGS)
+    try:
+        _copy_attrs_of(root, None, dst, os.fstat(root))
+        # Depth first, one descriptor per directory on the way down.
+        stack: list[tuple[int, str, list[str]]] = [(root, str(dst), _names(root))]
+        while stack:
+            fd, there, names = stack[-1]
+            if not names:
+                stack.pop()
+                if fd != root:
+                    os.close(fd)
+                continue
+            name = names.pop()
+            sub = _copy_entry_at(fd, name, os.path.join(there, name))
+            if sub is not None:
+                stack.append((sub, os.path.join(there, name), _names(sub)))
+    finally:
+        for fd, _, _ in stack:
+            if fd != root:
+                os.close(fd)
+        os.close(root)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _names(dir_fd: int) -> list[str]:
+    with os.scandir(dir_fd) as entries:
+        return [entry.name for entry in entries]
+
+
+def _copy_entry_at(dir_fd: int, name: str, target: str) -> int | None:
+    """Copy entry ``name`` of directory ``dir_fd`` to ``target``; for a directory, make it
+    and return its open descriptor (its entries are the caller's to copy)."""
+    for _ in range(3):  # an entry swapped between its stat and its open: look again
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None  # gone meanwhile
+        mode = st.st_mode
+        if stat.S_ISDIR(mode) or stat.S_ISREG(mode):
+            try:
+                fd = os.open(name, _DIR_FLAGS if stat.S_ISDIR(mode) else _FILE_FLAGS,
+                             dir_fd=dir_fd)  # fmt: skip
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+                    continue  # now a symlink, a file, a fifo: copy what it is now
+                raise
+            st = os.fstat(fd)
+            if stat.S_IFMT(st.st_mode) != stat.S_IFMT(mode):
+                os.close(fd)
+                continue
+            if stat.S_ISDIR(mode):
+                try:
                     os.mkdir(target)
-                    stack.append((Path(entry.path), Path(target)))
-                    _copy_attrs(entry.path, target, st)
+                    _copy_attrs_of(fd, None, target, st)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
+            try:
+                _copy_data(fd, target, st.st_size)
+                _copy_attrs_of(fd, None, target, st)
+            finally:
+                os.close(fd)
+            return None
+        if stat.S_ISLNK(mode):
+            try:
+                os.symlink(os.readlink(name, dir_fd=dir_fd), target)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # no longer a symlink
                     continue
-                copy_tree_entry(entry.path, target, st)
+                if exc.errno == errno.ENOENT:
+                    return None
+                raise
+        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            os.mknod(target, mode, st.st_rdev)
+        elif stat.S_ISFIFO(mode):
+            os.mkfifo(target, stat.S_IMODE(mode))
+        else:
+            return None  # sockets mean nothing in a copy
+        # Not opened (a symlink, a device, a fifo): its attributes are read through the
+        # directory's descriptor (/proc/self/fd/N is that directory, whatever its path
+        # is now), the entry itself not followed.
+        _copy_attrs_of(None, f"/proc/self/fd/{dir_fd}/{name}", target, st)
+        return None
+    raise OSError(errno.EAGAIN, "an entry kept changing while it was copied", name)
+
+
+def _copy_attrs_of(fd: int | None, path: str | None, dst: str | Path, st: os.stat_result) -> None:
+    """:func:`_copy_attrs` from an open descriptor (``fd``), or from ``path`` not
+    followed (an entry named through a directory's descriptor)."""
+    if fd is not None:
+        source: int | str = fd
+    else:
+        assert path is not None
+        source = path
+    follow = fd is not None
+    with contextlib.suppress(FileNotFoundError):
+        for key in os.listxattr(source, follow_symlinks=follow):
+            with contextlib.suppress(OSError):
+                os.setxattr(dst, key, os.getxattr(source, key, follow_symlinks=follow),
+                            follow_symlinks=False)  # fmt: skip
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _copy_data(fd: int, dst: str, size: int) -> None:
+    with open(dst, "wb") as fout:
+        _copy_sparse_fds(fd, fout.fileno(), size)
 
 
 def copy_sparse(src: str, dst: str, size: int) -> None:
@@ -118,27 +227,31 @@ def copy_sparse(src: str, dst: str, size: int) -> None:
     nothing, and must cost its snapshot nothing either (``shutil.copyfile`` writes every
     zero). Where the file system cannot say where its holes are, a plain copy."""
     with open(src, "rb") as fin, open(dst, "wb") as fout:
-        i, o = fin.fileno(), fout.fileno()
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(i, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole is left
-                    break
-                if exc.errno != errno.EINVAL:
-                    raise
-                start = pos  # no SEEK_DATA here: copy the rest
-                end = size
-            else:
-                end = os.lseek(i, start, os.SEEK_HOLE)
-            while start < end:
-                done = _copy_range(i, o, start, end - start)
-                if done == 0:
-                    break
-                start += done
-            pos = end
-        os.ftruncate(o, size)
+        _copy_sparse_fds(fin.fileno(), fout.fileno(), size)
+
+
+def _copy_sparse_fds(i: int, o: int, size: int) -> None:
+    """:func:`copy_sparse` between open descriptors."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(i, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole is left
+                break
+            if exc.errno != errno.EINVAL:
+                raise
+            start = pos  # no SEEK_DATA here: copy the rest
+            end = size
+        else:
+            end = os.lseek(i, start, os.SEEK_HOLE)
+        while start < end:
+            done = _copy_range(i, o, start, end - start)
+            if done == 0:
+                break
+            start += done
+        pos = end
+    os.ftruncate(o, size)
 
 
 def _copy_range(i: int, o: int, offset: int, count: int) -> int:
