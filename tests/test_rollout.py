@@ -31,6 +31,7 @@ from envport.rollout import (
     PoolClosedError,
     RolloutState,
 )
+from envport.rollout.backends import Limits
 from envport.rollout.backends.local import last_words
 from envport.trace import SQLiteTraceStore, Trace, TraceStatus
 from envport.trace.store import _MIGRATIONS, RolloutRecord, StaleStateError
@@ -298,6 +299,61 @@ async def test_local_backend_starts_lists_readopts_and_stops(tmp_path: Path) -> 
     assert list(state.iterdir()) == []
     # The server's module ran once, by -m: no runpy warning about a copy already imported.
     assert "RuntimeWarning" not in log
+
+
+# Starts up to 100 sleeping children; says how many it got before fork failed.
+SPAWN_MANY = (
+    'python3 -c "import subprocess\n'
+    "procs = []\n"
+    "try:\n"
+    "    for _ in range(100):\n"
+    "        procs.append(subprocess.Popen(['sleep', '30']))\n"
+    "except OSError as exc:\n"
+    "    print('stopped at', len(procs), exc.errno)\n"
+    "else:\n"
+    "    print('all', len(procs))\n"
+    "for p in procs:\n"
+    '    p.kill()"'
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
+async def test_local_backend_enforces_memory_and_pids_with_a_cgroup(tmp_path: Path) -> None:
+    """The local backend ignored a launch's limits: a shell-v1 command (a fork bomb, a
+    memory hog) had the whole host. The server and all it runs now share a cgroup."""
+    limits = Limits(pids=48, memory_mb=512, disk_mb=100)
+    launch = EnvLaunch(env_id="shell-v1", limits=limits)
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        instance = await backend.start(launch)
+        meta = instance.meta
+        assert meta["limits"].startswith("enforced; disk_mb not enforced"), meta
+        cgroups = {k: Path(v) for k, v in meta["cgroups"].items()}
+        assert (cgroups["pids"] / "pids.max").read_text().strip() == "48"
+        memory = (cgroups["memory"] / "memory.limit_in_bytes").read_text().strip()
+        assert memory == str(512 * 2**20)
+        async with instance.client() as env:
+            await env.reset()
+            out = await env.call_tool("run", {"command": SPAWN_MANY, "timeout_s": 60})
+        assert out["stdout"].startswith("stopped at"), out
+        assert out["stdout"].split()[-1] == "11"  # EAGAIN: the pids limit
+        await backend.stop(instance)
+        assert not any(path.exists() for path in cgroups.values())
+
+
+async def test_local_backend_starts_without_limits_it_cannot_enforce(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from envport.rollout.backends import local
+
+    def no_cgroups(*args: object, **kwargs: object) -> object:
+        raise OSError("cgroup controller(s) memory are not available")
+
+    monkeypatch.setattr(local.CgroupSet, "create", no_cgroups)
+    launch = EnvLaunch(env_id="echo-v1", limits=Limits(memory_mb=256))
+    async with LocalProcessBackend(tmp_path / "instances", cwd=ROOT) as backend:
+        instance = await backend.start(launch)
+        assert instance.meta["limits"].startswith("not enforced: no cgroup could be made")
+        assert await echo(instance, "hi") == "hi"
 
 
 async def test_local_backend_instance_refuses_a_foreign_host_at_mcp(tmp_path: Path) -> None:

@@ -24,6 +24,14 @@ it answers ``/health`` by then, else stopped and forgotten; one still being star
 live process is left to it. A pid is trusted only if that process's command line still
 names the instance id (no pid-reuse accidents).
 
+**Limits.** A launch's ``memory_mb``, ``pids`` and ``cpus`` are enforced with a cgroup
+(v1, as the sandboxes' :class:`~envport.sandbox.cgroups.CgroupSet`) that the server joins
+as it starts: everything it runs (shell-v1's commands, a harness's tools) counts against
+them, and a fork bomb stops at ``pids``. Where no cgroup can be made (not root, no
+cgroup v1 controllers) the server runs without them, the instance's ``meta["limits"]``
+says why, and a warning is logged once. ``disk_mb`` is never enforced here: use the
+sandbox backend for a disk quota. The cgroup goes when the server is stopped.
+
 A controller that *exits* (as opposed to being killed) never leaves a server behind, even
 when its cleanup was cut short (a second Ctrl-C, an event loop torn down mid-stop). A stop
 is SIGTERM to the server's process group, up to ``stop_grace_s`` for the server to exit,
@@ -40,6 +48,7 @@ import asyncio
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -54,7 +63,10 @@ import httpx
 
 from envport.errors import from_wire
 from envport.procs import owner_alive, owner_tag, parse_owner
-from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch
+from envport.rollout.backends.base import Backend, BackendError, EnvInstance, EnvLaunch, Limits
+from envport.sandbox.cgroups import CgroupSet
+
+_log = logging.getLogger(__name__)
 
 #: The server process's module (:mod:`.instance`; imported by no package ``__init__``).
 INSTANCE_MODULE = "envport.rollout.backends.instance"
@@ -142,10 +154,36 @@ def start_failure(
     )
 
 
-def _forget(state_dir: Path, instance_id: str) -> None:
+def _forget(state_dir: Path, instance_id: str, cgroups: object = None) -> None:
+    """Remove an instance's files, and its cgroups (``meta["cgroups"]``) if it had any."""
     for suffix in (".json", ".log", ".port", ".error"):
         (state_dir / f"{instance_id}{suffix}").unlink(missing_ok=True)
     (state_dir / f".{instance_id}.json.tmp").unlink(missing_ok=True)
+    if isinstance(cgroups, dict) and cgroups:
+        try:
+            CgroupSet({str(k): Path(str(v)) for k, v in cgroups.items()}).remove()
+        except OSError as exc:
+            _log.warning("could not remove the cgroups of %s: %s", instance_id, exc)
+
+
+def _limit_group(limits: Limits, instance_id: str) -> tuple[CgroupSet | None, str]:
+    """The cgroup that enforces ``limits`` (``None`` if it asks for none, or none can be
+    made), and what ``meta["limits"]`` says of them."""
+    if limits.memory_mb is None and limits.pids is None and limits.cpus is None:
+        return None, "none asked" if limits.disk_mb is None else _NO_DISK
+    try:
+        group = CgroupSet.create(
+            f"envport-{instance_id}",
+            memory_mb=limits.memory_mb,
+            pids=limits.pids,
+            cpus=limits.cpus,
+        )
+    except OSError as exc:
+        return None, f"not enforced: no cgroup could be made ({exc})"
+    return group, "enforced" if limits.disk_mb is None else f"enforced; {_NO_DISK}"
+
+
+_NO_DISK = "disk_mb not enforced (the local backend has no disk quota)"
 
 
 #: ``EnvInstance.meta`` key of a record whose server is not ready yet: the starting
@@ -159,8 +197,9 @@ def _kill_group(pgid: int, sig: int) -> None:
 
 
 #: Servers this process spawned and has not stopped yet: pid (= process group) ->
-#: (state dir, instance id). What :func:`_kill_leftovers` kills when the process exits.
-_SPAWNED: dict[int, tuple[Path, str]] = {}
+#: (state dir, instance id, its cgroups). What :func:`_kill_leftovers` kills when the
+#: process exits.
+_SPAWNED: dict[int, tuple[Path, str, dict[str, str]]] = {}
 _SPAWNER = os.getpid()
 
 
@@ -172,9 +211,9 @@ def _kill_leftovers() -> None:
     child, whose exit must not take its parent's servers."""
     if os.getpid() != _SPAWNER:
         return
-    for pid, (state_dir, instance_id) in list(_SPAWNED.items()):
+    for pid, (state_dir, instance_id, cgroups) in list(_SPAWNED.items()):
         _kill_group(pid, signal.SIGKILL)
-        _forget(state_dir, instance_id)
+        _forget(state_dir, instance_id, cgroups)
     _SPAWNED.clear()
 
 
@@ -200,6 +239,7 @@ class LocalProcessBackend(Backend):
         self.stop_grace_s = stop_grace_s
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._http = httpx.AsyncClient(timeout=2.0)
+        self._warned = False  # about limits that cannot be enforced here
 
     # --- start --------------------------------------------------------------------------
 
@@ -229,25 +269,40 @@ class LocalProcessBackend(Backend):
         instance_id = f"local-{uuid.uuid4().hex[:12]}"
         log_path = self.state_dir / f"{instance_id}.log"
         t0 = time.perf_counter()
-        with log_path.open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv(launch, instance_id),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                env=self.env,
-                cwd=self.cwd,
-            )
+        group, enforced = await asyncio.to_thread(_limit_group, launch.limits, instance_id)
+        if enforced.startswith("not enforced") and not self._warned:
+            self._warned = True
+            _log.warning("instance limits %s", enforced)
+        cgroups = {} if group is None else {k: str(v) for k, v in group.dirs.items()}
+        try:
+            with log_path.open("wb") as log:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._argv(launch, instance_id),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    env=self.env,
+                    cwd=self.cwd,
+                )
+            if group is not None:  # before it has built the env, let alone run its commands
+                group.add(proc.pid)
+        except BaseException:
+            if group is not None:
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(group.remove)
+            raise
         self._procs[instance_id] = proc
-        _SPAWNED[proc.pid] = (self.state_dir, instance_id)
+        _SPAWNED[proc.pid] = (self.state_dir, instance_id, cgroups)
+        meta: dict[str, object] = {"pid": proc.pid, "log": str(log_path), "host": self.host}
+        meta.update(limits=enforced, cgroups=cgroups)
         instance = EnvInstance(
             instance_id=instance_id,
             backend=self.name,
             env_id=launch.env_id,
             url=None,
             labels=dict(launch.labels),
-            meta={"pid": proc.pid, "log": str(log_path), "host": self.host, STARTING: owner_tag()},
+            meta={**meta, STARTING: owner_tag()},
         )
         try:
             # On disk before the wait: killed while it waits, this process leaves a
@@ -338,7 +393,9 @@ class LocalProcessBackend(Backend):
                 raise
         self._procs.pop(instance.instance_id, None)
         _SPAWNED.pop(pid, None)
-        _forget(self.state_dir, instance.instance_id)
+        await asyncio.to_thread(
+            _forget, self.state_dir, instance.instance_id, instance.meta.get("cgroups")
+        )
 
     @staticmethod
     async def _wait_gone(
@@ -371,8 +428,8 @@ class LocalProcessBackend(Backend):
         for instance_id in ids:
             pid = self._procs.pop(instance_id).pid
             _kill_group(pid, signal.SIGKILL)
-            _SPAWNED.pop(pid, None)
-            _forget(self.state_dir, instance_id)
+            cgroups = _SPAWNED.pop(pid, (None, None, None))[2]
+            _forget(self.state_dir, instance_id, cgroups)
         return len(ids)
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[EnvInstance]:
@@ -386,7 +443,7 @@ class LocalProcessBackend(Backend):
             pid = int(instance.meta.get("pid", 0))
             if not pid or not _alive(pid, instance.instance_id):
                 # died with its controller's machine, or killed: its files go too
-                _forget(self.state_dir, instance.instance_id)
+                _forget(self.state_dir, instance.instance_id, instance.meta.get("cgroups"))
                 continue
             if STARTING in instance.meta and not await self._claim_orphan(instance):
                 continue
