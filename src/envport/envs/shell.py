@@ -54,6 +54,15 @@ paths like ``/logs`` then mean the host's.
 ``read_file``/``write_file``/``list_dir`` take paths as the sandbox sees them (relative
 ones against the workdir) and reach only the workdir, ``/logs`` and ``/tests``
 (read-only); ``..`` and symlinks that leave those are refused.
+
+**Limits, and what this environment does not hide.** Commands get no memory, process or
+disk limits of their own: the rollout controller's local backend puts the whole server
+in a cgroup with the task's ``memory_mb``/``pids``/``cpus``; run ``envport serve
+shell-v1`` by hand and the host's limits are all there are. ``/tmp``, the workspace and
+``/logs`` are directories on the host's disk (use ``sandbox-v1`` for a disk quota).
+``/tests`` is visible to the agent's commands for the whole episode, not only to the
+verifier after it (Harbor copies them in afterwards): an agent can read what its tests
+check.
 """
 
 from __future__ import annotations
