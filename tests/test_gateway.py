@@ -21,6 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import orjson
@@ -1387,6 +1388,92 @@ async def test_messages_api_through_the_gateway(gw: Served) -> None:
     assert [c.api for c in calls] == ["messages", "messages"]
     assert [c.streamed for c in calls] == [False, True]
     assert all(c.choices[0].completion_token_ids for c in calls)
+
+
+def _sse_body(chunks: list[dict[str, Any]]) -> bytes:
+    events = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks)
+    return events + b"data: [DONE]\n\n"
+
+
+def _tool_call_chunk(index: int, args: str = "", **start: str) -> dict[str, Any]:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+    if start:
+        call.update(id=start["id"], type="function")
+        call["function"]["name"] = start["name"]
+    delta = {"tool_calls": [call]}
+    return {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": None}],
+    }
+
+
+async def test_messages_stream_with_interleaved_parallel_tool_calls_through_the_gateway(
+    serve: Any,
+) -> None:
+    """Upstream interleaves two tool calls' arguments; the anthropic SDK's stream helper
+    sees each tool_use block complete at its content_block_stop (where a Claude-Code-style
+    client takes the call) and the final message has both inputs."""
+    chunks = [
+        _tool_call_chunk(0, id="call_a", name="read"),
+        _tool_call_chunk(1, id="call_b", name="read"),
+        _tool_call_chunk(0, '{"path": '),
+        _tool_call_chunk(1, '{"path": '),
+        _tool_call_chunk(0, '"a"}'),
+        _tool_call_chunk(1, '"b"}'),
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+        },
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 8},
+        },
+    ]
+    answers = [(200, {"content-type": "text/event-stream"}, _sse_body(chunks))]
+    with serve_in_thread(_scripted_upstream(answers, [])) as up:
+        served: Served = serve([f"{up}/v1"])
+        ro = await served.rollout()
+        client = anthropic.AsyncAnthropic(
+            base_url=ro["anthropic_base_url"], api_key=ro["token"], max_retries=0
+        )
+        at_stop = []
+        tool = {"name": "read", "input_schema": {"type": "object"}}
+        async with client.messages.stream(
+            model="claude-x",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "read a and b"}],
+            tools=[tool],  # type: ignore[list-item]
+        ) as stream:
+            async for event in stream:
+                if event.type == "content_block_stop":
+                    at_stop.append(event.content_block.model_dump())
+            final = await stream.get_final_message()
+        await client.close()
+        [call] = await served.calls(ro["rollout_id"])
+        await served.admin.aclose()
+    assert [(b["id"], b["input"]) for b in at_stop] == [
+        ("call_a", {"path": "a"}),
+        ("call_b", {"path": "b"}),
+    ]
+    assert [b.input for b in final.content if b.type == "tool_use"] == [
+        {"path": "a"},
+        {"path": "b"},
+    ]
+    assert final.stop_reason == "tool_use"
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (5, 8)
+    assert call.api == "messages"
+    assert call.original_request is not None
+    assert call.original_request["messages"] == [{"role": "user", "content": "read a and b"}]
 
 
 async def test_an_agent_leaving_mid_stream_is_recorded_and_frees_its_slot(serve: Any) -> None:

@@ -578,6 +578,96 @@ async def test_anthropic_stream_exception_emits_error_then_reraises() -> None:
     assert b"connection reset" in got[-1]
 
 
+def _tool_chunk(index: int, args: str = "", **start: Any) -> dict[str, Any]:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+    if start:
+        call.update(id=start["id"], type="function")
+        call["function"]["name"] = start["name"]
+    return _chunk({"tool_calls": [call]})
+
+
+def _blocks_in_order(events: list[tuple[str, dict[str, Any]]]) -> dict[int, str]:
+    """Each block's JSON arguments as of its content_block_stop; asserts that blocks
+    run one at a time (start, deltas, stop), as Anthropic streams them."""
+    open_index: int | None = None
+    args: dict[int, str] = {}
+    at_stop: dict[int, str] = {}
+    for name, data in events:
+        if name == "content_block_start":
+            assert open_index is None, f"block {data['index']} started inside {open_index}"
+            open_index = data["index"]
+            args[data["index"]] = ""
+        elif name == "content_block_delta":
+            assert data["index"] == open_index, f"a delta for block {data['index']} outside it"
+            args[data["index"]] += data["delta"].get("partial_json", "")
+        elif name == "content_block_stop":
+            assert data["index"] == open_index
+            at_stop[data["index"]] = args[data["index"]]
+            open_index = None
+    return at_stop
+
+
+async def test_anthropic_stream_interleaved_parallel_tool_calls_stay_in_their_blocks() -> None:
+    """Parallel tool calls whose chat deltas interleave (call 0's arguments after call 1
+    began) still stream as whole blocks: each block's deltas between its start and
+    stop, its input complete at the stop (a Claude-Code-style client builds the tool
+    call at content_block_stop). Before, call 0's block was stopped when call 1 began
+    and its arguments followed the stop."""
+    chunks = [
+        _tool_chunk(0, id="call_a", name="read"),
+        _tool_chunk(1, id="call_b", name="grep"),
+        _tool_chunk(0, '{"path": '),
+        _tool_chunk(1, '{"pattern": '),
+        _tool_chunk(0, '"a.py"}'),
+        _tool_chunk(2, '{"x": 1}', id="call_c", name="ls"),
+        _tool_chunk(1, '"def"}'),
+        _chunk({}, "tool_calls"),
+    ]
+    events = await _collect(chat_stream_to_anthropic(_aiter(chunks), "m"))
+    at_stop = _blocks_in_order(events)
+    assert {i: json.loads(a) for i, a in at_stop.items()} == {
+        0: {"path": "a.py"},
+        1: {"pattern": "def"},
+        2: {"x": 1},
+    }
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["id"], b["name"]) for b in starts] == [
+        ("call_a", "read"),
+        ("call_b", "grep"),
+        ("call_c", "ls"),
+    ]
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+async def test_anthropic_stream_sequential_tool_calls_start_as_they_arrive() -> None:
+    """vLLM finishes one call before the next begins: the next block starts at once
+    and its arguments are streamed as they come, not held until the stream ends."""
+    chunks = [
+        _tool_chunk(0, id="call_a", name="read"),
+        _tool_chunk(0, '{"path": "a"}'),
+        _tool_chunk(1, id="call_b", name="read"),
+        _tool_chunk(1, '{"path": '),
+    ]
+    got: list[bytes] = []
+    before_end: list[bytes] = []
+
+    async def source() -> AsyncIterator[dict[str, Any]]:
+        for chunk in chunks:
+            yield chunk
+        before_end.extend(got)  # what was sent before upstream's end was seen
+
+    async def gather() -> AsyncIterator[bytes]:
+        async for raw in chat_stream_to_anthropic(source(), "m"):
+            got.append(raw)
+            yield raw
+
+    events = await _collect(gather())
+    assert _blocks_in_order(events) == {0: '{"path": "a"}', 1: '{"path": '}
+    early = b"".join(before_end)
+    assert b'"id":"call_b"' in early
+    assert b'"index":1,"delta":{"type":"input_json_delta"' in early
+
+
 # --- Responses -> chat --------------------------------------------------------------------------
 
 

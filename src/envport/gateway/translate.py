@@ -43,6 +43,10 @@ Mapping decisions (the complete list of what is lossy):
   (``", "`` / ``": "`` separators, as vLLM's tool parsers and Python write arguments), so
   the re-rendered prompt matches the arguments the model generated in the usual case.
 - Streaming requests ask for ``stream_options.include_usage`` so usage can be reported.
+- Anthropic streams one content block at a time. Chat tool-call deltas that interleave
+  (call 0's arguments after call 1 began) are reordered: a call's block starts once the
+  open tool block's arguments are a complete JSON value (its arguments so far are sent
+  with its start), or at the end of the stream.
 
 Unsupported (raises :class:`TranslationError`, which the gateway answers with 400 in the
 API's own error shape): server-side and Anthropic-defined tools (anything without an
@@ -575,6 +579,17 @@ def chat_to_anthropic(resp: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
+def _complete_json(text: str) -> bool:
+    """Whether streamed tool arguments are a whole JSON object (or array) already."""
+    if not text.rstrip().endswith(("}", "]")):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _sse_event(event: str, data: Mapping[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -588,8 +603,11 @@ class _AnthropicStream:
         self.block = -1  # index of the last block started
         self.open_kind: str | None = None  # "text" or "tool" while a block is open
         self.tool_blocks: dict[int, int] = {}  # chat tool index -> block index
-        self.pending: dict[int, JSON] = {}  # tool calls whose name has not arrived yet
+        # tool calls not started yet: their name has not arrived, or another tool's
+        # block is open and its arguments are not complete (see _start_ready)
+        self.pending: dict[int, JSON] = {}
         self.open_tool: int | None = None
+        self.open_args = ""  # the arguments streamed so far into the open tool block
         self.finish: Any = None
         self.vllm_stop: Any = None
         self.saw_calls = False
@@ -655,6 +673,7 @@ class _AnthropicStream:
         out = self._open(block)
         self.tool_blocks[tool_index] = self.block
         self.open_tool = tool_index
+        self.open_args = call["arguments"]
         if call["arguments"]:
             out.append(
                 self._delta(
@@ -695,21 +714,44 @@ class _AnthropicStream:
         function = call.get("function") or {}
         args = function.get("arguments") or ""
         if index in self.tool_blocks:
-            block = self.tool_blocks[index]
             if not args:
                 return []
-            return [self._delta(block, {"type": "input_json_delta", "partial_json": args})]
+            delta = {"type": "input_json_delta", "partial_json": args}
+            out = [self._delta(self.tool_blocks[index], delta)]
+            if index == self.open_tool:
+                self.open_args += args
+                if self.pending:
+                    out += self._start_ready()
+            return out
         pending = self.pending.setdefault(index, {"id": None, "name": None, "arguments": ""})
         if call.get("id"):
             pending["id"] = call["id"]
         if function.get("name"):
             pending["name"] = function["name"]
         pending["arguments"] += args
-        if pending["name"] is None:
-            return []
-        del self.pending[index]
-        pending["id"] = pending["id"] or _new_id("toolu_")
-        return self._start_tool(index, pending)
+        return self._start_ready()
+
+    def _start_ready(self) -> list[bytes]:
+        """Start the pending tool calls that can be, in index order.
+
+        Anthropic streams one content block at a time: a block's deltas come between its
+        start and its stop. Chat streams may interleave parallel tool calls (arguments
+        of call 0 after call 1 began), so a call waits while the open tool block's
+        arguments are not yet a complete JSON value; its arguments are kept and sent
+        when it starts. Sequential calls (vLLM's parsers finish one before the next)
+        start at once, as before."""
+        out: list[bytes] = []
+        while self.pending:
+            index = min(self.pending)
+            call = self.pending[index]
+            if call["name"] is None:
+                break
+            if self.open_kind == "tool" and not _complete_json(self.open_args):
+                break
+            del self.pending[index]
+            call["id"] = call["id"] or _new_id("toolu_")
+            out += self._start_tool(index, call)
+        return out
 
     def finish_events(self) -> list[bytes]:
         out: list[bytes] = [] if self.started else self._start({})
