@@ -931,6 +931,31 @@ def test_chat_to_responses_full() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"reasoning_content": None, "reasoning": "think"},  # both, the old one null
+        {"reasoning": "think"},
+        {"reasoning_content": "think", "reasoning": None},
+        {"reasoning_content": "", "reasoning": "think"},
+    ],
+)
+async def test_responses_reasoning_from_either_field_even_when_the_other_is_null(
+    fields: dict[str, Any],
+) -> None:
+    """A server that sends both ``reasoning_content`` and ``reasoning``, one of them null
+    (vLLM since the rename, a non-streamed answer dumping every field), still gives the
+    reasoning item: it was dropped when ``reasoning_content`` was present but null."""
+    out = chat_to_responses(_completion({"role": "assistant", "content": "Hi", **fields}), "m")
+    assert [o["type"] for o in out["output"]] == ["reasoning", "message"]
+    assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    chunks = [_chunk({"role": "assistant", **fields}), _chunk({"content": "Hi"}, "stop")]
+    events = await _collect(chat_stream_to_responses(_aiter(chunks), "m"))
+    final = events[-1][1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+
+
 def test_chat_to_responses_length_is_incomplete() -> None:
     out = chat_to_responses(_completion({"role": "assistant", "content": "abc"}, "length"), "m")
     assert out["status"] == "incomplete"

@@ -208,7 +208,11 @@ def _text_of(content: Any) -> str:
 
 
 def _reasoning_of(message: Mapping[str, Any]) -> str:
-    value = message.get("reasoning_content", message.get("reasoning"))
+    """A message's (or delta's) reasoning text: vLLM's ``reasoning_content`` or the
+    newer ``reasoning``, whichever holds text (a server may send both, one ``null``)."""
+    value = message.get("reasoning_content")
+    if not isinstance(value, str) or not value:
+        value = message.get("reasoning")
     return value if isinstance(value, str) else ""
 
 
