@@ -305,9 +305,34 @@ def test_anthropic_request_simple_strings_and_prefill() -> None:
 )
 def test_anthropic_tool_choice(choice: dict[str, Any], expected: Any) -> None:
     req = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
-    chat = anthropic_to_chat({**req, "tool_choice": choice})
+    tools = [{"name": "bash", "input_schema": {"type": "object"}}]
+    chat = anthropic_to_chat({**req, "tools": tools, "tool_choice": choice})
     assert chat["tool_choice"] == expected
     assert "parallel_tool_calls" not in chat
+
+
+@pytest.mark.parametrize("tools", [None, []])
+def test_a_tool_choice_without_tools_is_not_sent_unless_it_forces_a_call(
+    tools: list[Any] | None,
+) -> None:
+    """``auto``/``none`` without tools (Codex sends ``tool_choice: "auto"`` with
+    ``tools: []`` on its tool-less turns) is left out: vLLM answers 400 "When using
+    `tool_choice`, `tools` must be set". A forced choice is kept for upstream to refuse."""
+    extra: dict[str, Any] = {} if tools is None else {"tools": tools}
+    a_req = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    for kind in ("auto", "none"):
+        chat = anthropic_to_chat({**a_req, **extra, "tool_choice": {"type": kind}})
+        assert "tool_choice" not in chat
+        assert "tools" not in chat
+    chat = anthropic_to_chat({**a_req, **extra, "tool_choice": {"type": "any"}})
+    assert chat["tool_choice"] == "required"
+    r_req = {"model": "m", "input": "summarize", **extra}
+    for kind in ("auto", "none"):
+        chat = responses_to_chat({**r_req, "tool_choice": kind, "parallel_tool_calls": True})
+        assert "tool_choice" not in chat
+        assert "tools" not in chat
+    chat = responses_to_chat({**r_req, "tool_choice": {"type": "function", "name": "f"}})
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
 
 
 @pytest.mark.parametrize(

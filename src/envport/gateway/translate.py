@@ -43,6 +43,8 @@ Mapping decisions (the complete list of what is lossy):
   (``", "`` / ``": "`` separators, as vLLM's tool parsers and Python write arguments), so
   the re-rendered prompt matches the arguments the model generated in the usual case.
 - Streaming requests ask for ``stream_options.include_usage`` so usage can be reported.
+- A ``tool_choice`` of auto/none with no tools is left out (vLLM refuses a
+  ``tool_choice`` without ``tools``; it means no tool call either way).
 - Anthropic streams one content block at a time. Chat tool-call deltas that interleave
   (call 0's arguments after call 1 began) are reordered: a call's block starts once the
   open tool block's arguments are a complete JSON value (its arguments so far are sent
@@ -251,6 +253,15 @@ def _dumps(obj: Any) -> str:
     """JSON as Python's and vLLM's tool parsers write it (``", "`` and ``": "``), so a
     ``tool_use.input`` sent back re-renders as the arguments the model generated."""
     return json.dumps(obj, ensure_ascii=False)
+
+
+def _drop_idle_tool_choice(chat: JSON) -> None:
+    """Without tools, ``auto`` and ``none`` mean no tool call, which is what no
+    ``tool_choice`` means; vLLM (like Chat Completions) rejects a ``tool_choice`` without
+    ``tools``, and harnesses send one anyway (Codex: ``"auto"`` on every request, its
+    tool-less compaction turns included). A forced choice stays, for upstream to refuse."""
+    if "tools" not in chat and chat.get("tool_choice") in ("auto", "none"):
+        del chat["tool_choice"]
 
 
 def _passthrough(req: Mapping[str, Any], known: Iterable[str]) -> JSON:
@@ -481,6 +492,7 @@ def anthropic_to_chat(req: dict[str, Any]) -> dict[str, Any]:
         chat["tools"] = _anthropic_tools(req["tools"])
     if req.get("tool_choice") is not None:
         _anthropic_tool_choice(req["tool_choice"], chat)
+        _drop_idle_tool_choice(chat)
     stops = req.get("stop_sequences")
     if stops:
         chat["stop"] = [
@@ -1050,6 +1062,7 @@ def responses_to_chat(req: dict[str, Any]) -> dict[str, Any]:
         chat["tools"] = _responses_tools(req["tools"])
     if req.get("tool_choice") is not None:
         chat["tool_choice"] = _responses_tool_choice(req["tool_choice"])
+        _drop_idle_tool_choice(chat)
     if isinstance(req.get("parallel_tool_calls"), bool):
         chat["parallel_tool_calls"] = req["parallel_tool_calls"]
     if req.get("max_output_tokens") is not None:
