@@ -311,6 +311,51 @@ def test_anthropic_tool_choice(choice: dict[str, Any], expected: Any) -> None:
     assert "parallel_tool_calls" not in chat
 
 
+def test_anthropic_consecutive_turns_of_one_role_are_one_turn() -> None:
+    """The Messages API combines consecutive user (or assistant) turns into one; they
+    were sent upstream as separate chat turns (two assistant turns the model never
+    produced, or two user turns a strictly alternating chat template refuses)."""
+    tool_use = {"type": "tool_use", "id": "t1", "name": "ls", "input": {"dir": "."}}
+    req = {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            {"role": "user", "content": "first"},
+            {"role": "user", "content": [{"type": "text", "text": "second"}]},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "assistant", "content": [tool_use]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
+            {"role": "user", "content": "now?"},
+        ],
+    }
+    chat = anthropic_to_chat(req)
+    assert chat["messages"] == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}],
+        },
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "t1",
+                    "type": "function",
+                    "function": {"name": "ls", "arguments": '{"dir": "."}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": ""},
+        {"role": "user", "content": "now?"},
+    ]
+    assert "continue_final_message" not in chat
+    # a bad block in a combined turn is still named by its own message's index
+    bad = {**req, "messages": [*req["messages"], {"role": "user", "content": [{"type": "x"}]}]}
+    with pytest.raises(TranslationError) as info:
+        anthropic_to_chat(bad)
+    assert info.value.param == "messages.6.content.0.type"
+
+
 @pytest.mark.parametrize("tools", [None, []])
 def test_a_tool_choice_without_tools_is_not_sent_unless_it_forces_a_call(
     tools: list[Any] | None,

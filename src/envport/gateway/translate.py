@@ -32,6 +32,8 @@ Mapping decisions (the complete list of what is lossy):
   message right after the tool messages of that turn.
 - Several system blocks become one system message whose content is a list of text parts
   (one block: a plain string). Responses ``developer`` messages become ``system``.
+- Consecutive Anthropic messages of one role are combined into one turn first, as the
+  Messages API does (their text parts joined as within one message).
 - A final Anthropic ``assistant`` message (prefill) is sent with vLLM's
   ``continue_final_message: true, add_generation_prompt: false``.
 - Anthropic ``metadata.user_id`` becomes ``user``; ``top_k`` is passed through (vLLM
@@ -339,13 +341,17 @@ def _anthropic_tool_result(block: Mapping[str, Any], param: str, images: list[JS
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
-def _anthropic_user(content: Any, param: str) -> list[JSON]:
+def _turn_blocks(content: Any, param: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """A turn's content blocks, each with its path (for errors)."""
+    return [(f"{param}.{i}", b) for i, b in enumerate(_anthropic_blocks(content, param))]
+
+
+def _anthropic_user(blocks: list[tuple[str, Mapping[str, Any]]]) -> list[JSON]:
     tool_messages: list[JSON] = []
     parts: list[JSON] = []
     images_from_results: list[JSON] = []
-    for i, block in enumerate(_anthropic_blocks(content, param)):
+    for where, block in blocks:
         kind = block.get("type")
-        where = f"{param}.{i}"
         if kind == "text":
             parts.append({"type": "text", "text": _str(block.get("text"), f"{where}.text")})
         elif kind == "image":
@@ -368,12 +374,11 @@ def _anthropic_user(content: Any, param: str) -> list[JSON]:
     return out
 
 
-def _anthropic_assistant(content: Any, param: str) -> JSON:
+def _anthropic_assistant(blocks: list[tuple[str, Mapping[str, Any]]]) -> JSON:
     texts: list[str] = []
     calls: list[JSON] = []
-    for i, block in enumerate(_anthropic_blocks(content, param)):
+    for where, block in blocks:
         kind = block.get("type")
-        where = f"{param}.{i}"
         if kind == "text":
             texts.append(_str(block.get("text"), f"{where}.text"))
         elif kind == "tool_use":
@@ -471,18 +476,26 @@ def anthropic_to_chat(req: dict[str, Any]) -> dict[str, Any]:
     turns = _list(req.get("messages"), "messages")
     if not turns:
         raise TranslationError("messages: at least one message is required.", "messages")
+    # Consecutive turns of one role are one turn, as the Messages API combines them.
+    groups: list[tuple[str, list[tuple[str, Mapping[str, Any]]]]] = []
     for i, raw in enumerate(turns):
         turn = _obj(raw, f"messages.{i}")
         role = turn.get("role")
-        if role == "user":
-            messages.extend(_anthropic_user(turn.get("content"), f"messages.{i}.content"))
-        elif role == "assistant":
-            messages.append(_anthropic_assistant(turn.get("content"), f"messages.{i}.content"))
-        else:
+        if role not in ("user", "assistant"):
             raise TranslationError(
                 f"messages.{i}.role: expected 'user' or 'assistant', got {role!r}.",
                 f"messages.{i}.role",
             )
+        blocks = _turn_blocks(turn.get("content"), f"messages.{i}.content")
+        if groups and groups[-1][0] == role:
+            groups[-1][1].extend(blocks)
+        else:
+            groups.append((role, blocks))
+    for role, blocks in groups:
+        if role == "user":
+            messages.extend(_anthropic_user(blocks))
+        else:
+            messages.append(_anthropic_assistant(blocks))
     chat["messages"] = messages
     if turns and _obj(turns[-1], "messages").get("role") == "assistant":
         chat["continue_final_message"] = True
