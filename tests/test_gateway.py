@@ -1666,6 +1666,11 @@ async def test_model_paths_keep_their_http_semantics(gw: Served) -> None:
         assert r.json()["error"]["type"] == "not_found_error"
         r = await http.post(f"/rollouts/{ro['rollout_id']}/v1/embeddings", json={})
         assert r.status_code == 404
+        # Claude Code asks for a count first: the anthropic SDK must read the refusal
+        r = await http.post(f"/rollouts/{ro['rollout_id']}/v1/messages/count_tokens", json={})
+        assert r.status_code == 404
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "not_found_error"
         r = await http.post(
             f"/rollouts/{ro['rollout_id']}/v1/chat/completions",
             content=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',

@@ -1727,7 +1727,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     error = GatewayError(message, error_code="not_found" if exc.status_code == 404 else None)
     error.status = exc.status_code
     error.type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    dialect: Dialect = "anthropic" if request.url.path.endswith("/messages") else "openai"
+    # Anthropic's paths (/v1/messages/count_tokens, /v1/messages/batches) answered in
+    # Anthropic's shape, so its SDK reads the refusal
+    dialect: Dialect = "anthropic" if "/v1/messages" in request.url.path else "openai"
     return error.response(dialect)
 
 
