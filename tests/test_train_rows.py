@@ -392,6 +392,21 @@ def test_an_empty_last_completion_leaves_no_unsampled_tail() -> None:
     assert row.mask[row.reward_index] == 1
 
 
+def continued_with_choice_1(call: ModelCall) -> None:
+    """Make ``call`` (the rollout's last) have two choices, the one its message came from
+    second; the first stopped on length."""
+    alt = [*TOK.encode("The number is 99."), IM_END_ID]
+    call.choices = [
+        Choice(
+            index=0,
+            finish_reason="length",
+            completion_token_ids=alt,
+            completion_logprobs=lps(len(alt), 6),
+        ),
+        call.choices[0].model_copy(update={"index": 1}),  # its message is the last one
+    ]
+
+
 def test_a_call_with_several_choices_trains_the_one_the_rollout_went_on_with() -> None:
     """n > 1: the harness went on with choice 1. Choice 0 (never continued) used to be
     the row's tokens, trained with the rollout's reward, and the next call split off
@@ -421,16 +436,7 @@ def test_a_call_with_several_choices_trains_the_one_the_rollout_went_on_with() -
 
     # The last call: no later prompt tells; the conversation's last branch does.
     final = sampled(c2)
-    alt = [*TOK.encode("The number is 99."), IM_END_ID]
-    c2.choices = [
-        Choice(
-            index=0,
-            finish_reason="length",
-            completion_token_ids=alt,
-            completion_logprobs=lps(len(alt), 6),
-        ),
-        c2.choices[0].model_copy(update={"index": 1}),  # its message is the last one
-    ]
+    continued_with_choice_1(c2)
     (row,) = build_rows(trace).rows
     assert row.completion_ids[row.spans[-1][0] :] == final
     assert row.metadata["finish_reasons"][-1] == "stop"
@@ -734,16 +740,7 @@ def test_exports_follow_the_choice_taken_and_count_greedy_calls_at_temperature_o
     trace = rollout(THREE_TURNS)
     _, c1, c2 = trace.model_calls
     c1.sampling = SamplingParams(temperature=0.0)
-    alt = [*TOK.encode("The number is 99."), IM_END_ID]
-    c2.choices = [
-        Choice(
-            index=0,
-            finish_reason="length",
-            completion_token_ids=alt,
-            completion_logprobs=lps(len(alt), 6),
-        ),
-        c2.choices[0].model_copy(update={"index": 1}),  # its message is the last one
-    ]
+    continued_with_choice_1(c2)
     (row,) = build_rows(trace).rows
     temps = to_record(row, "prime-rl")["completion_temperatures"]
     assert len(temps) == len(row.completion_ids)
