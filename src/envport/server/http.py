@@ -67,9 +67,14 @@ async def _body(request: Request) -> dict[str, Any]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLargeError(f"Body of {declared} bytes exceeds {limit} bytes.")
-    raw = await request.body()
-    if len(raw) > limit:
-        raise PayloadTooLargeError(f"Body of {len(raw)} bytes exceeds {limit} bytes.")
+    # Counted as it arrives: a chunked body has no Content-Length, and read whole first
+    # it could be any size (never more than the limit and one chunk held).
+    received = bytearray()
+    async for chunk in request.stream():
+        received += chunk
+        if len(received) > limit:
+            raise PayloadTooLargeError(f"The body exceeds {limit} bytes.")
+    raw = bytes(received)
     # Only JSON: a text/plain or form body is what a web page may post cross-site
     # without a CORS preflight (envport.server.security).
     check_json_body(request.headers.get("content-type"), raw)
