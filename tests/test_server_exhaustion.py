@@ -1,8 +1,13 @@
-"""A client cannot make the environment server hold unbounded memory: bodies are
-refused as soon as they pass the limit (a chunked one too)."""
+"""A client cannot make the environment server hold unbounded memory or connections:
+bodies are refused as soon as they pass the limit (a chunked one too), and a peer that
+floods WebSocket pings without reading the pongs stops being read."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import select
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -63,3 +68,60 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(
             sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         head = _head(sock)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def _ws_upgrade(url: str) -> socket.socket:
+    sock = _connect(url)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall(
+        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    assert _head(sock).startswith(b"HTTP/1.1 101")
+    return sock
+
+
+def _masked(opcode: int, payload: bytes) -> bytes:
+    assert len(payload) < 126
+    return bytes((0x80 | opcode, 0x80 | len(payload))) + b"\0\0\0\0" + payload
+
+
+def test_a_ping_flood_without_reading_the_pongs_stops_being_read(
+    served: tuple[str, Any],
+) -> None:
+    """Each ping is answered with a pong; a peer that never reads them would have the
+    server buffer every pong (as many bytes as it sends). Once the pongs back up, the
+    server stops reading the peer, and reads on once they drain."""
+    url, _ = served
+    sock = _ws_upgrade(url)
+    try:
+        blob = _masked(0x9, b"p" * 125) * 2048
+        sock.setblocking(False)
+        sent, offset, cap = 0, 0, 512 * 2**20
+        while sent < cap:
+            _, writable, _ = select.select([], [sock], [], 2.0)
+            if not writable:
+                break  # the server stopped reading us
+            n = sock.send(blob[offset:])
+            sent += n
+            offset = (offset + n) % len(blob)
+        assert sent < cap, "the server read (and buffered pongs for) everything sent"
+        # Reading the pongs lets the server read on: a frame sent after them is answered.
+        sock.setblocking(True)
+        sock.settimeout(30)
+        frame = _masked(0x1, json.dumps({"type": "reset"}).encode())
+        pending = bytearray(frame)
+        received = bytearray()
+        while True:
+            readable, writable, _ = select.select([sock], [sock] if pending else [], [], 30)
+            assert readable or writable, "the connection stalled"
+            if writable and pending:
+                del pending[: sock.send(pending)]
+            if readable:
+                got = sock.recv(1 << 20)
+                assert got, "the server closed the connection"
+                received += got
+                if b'"observation"' in received[-4096:]:
+                    break
+    finally:
+        sock.close()

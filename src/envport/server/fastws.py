@@ -79,6 +79,9 @@ class FastWebSocket:
         self._messages: deque[str | bytes] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._read_paused = False
+        # Reading also pauses while pongs back up: a peer that sends pings and reads
+        # nothing would otherwise have every pong buffered (as many bytes as it sends).
+        self._pongs_waiting = False
         self._on_message: MessageHandler | None = None
         self._task: asyncio.Task[Any] | None = None
         self._busy = False  # an answer is under way (eagerly begun or in the task)
@@ -115,7 +118,8 @@ class FastWebSocket:
                     message = self._messages.popleft()
                     if self._read_paused and not self._messages and not self.closed:
                         self._read_paused = False
-                        self._transport.resume_reading()
+                        if not self._pongs_waiting:
+                            self._transport.resume_reading()
                     self._busy = True
                     keep = await on_message(message)
                 elif self.closed:
@@ -168,8 +172,8 @@ class FastWebSocket:
         self._protocol.close_timer = self._loop.call_later(
             self._protocol.close_timeout, self._transport.close
         )
-        if self._read_paused:  # read on, to see the peer's close frame
-            self._read_paused = False
+        if self._read_paused or self._pongs_waiting:  # read on, to see the peer's close
+            self._read_paused = self._pongs_waiting = False
             self._transport.resume_reading()
 
     # ---------------------------------------------------------------- protocol side
@@ -225,6 +229,9 @@ class FastWebSocket:
                 self._fail(PROTOCOL_ERROR)
             elif opcode == _PING:
                 self._transport.write(frame_header(_PONG, len(payload)) + payload)
+                if not self._protocol.writable.is_set() and not self._pongs_waiting:
+                    self._pongs_waiting = True  # the peer does not read: stop reading it
+                    self._transport.pause_reading()
             elif opcode == _PONG:
                 self._protocol.handle_pong(Frame(Opcode.PONG, payload))
             elif opcode == _CLOSE:
@@ -305,6 +312,13 @@ class FastWebSocket:
             return
         self._continuation = (call, pending)
         self._wake()
+
+    def writable_again(self) -> None:
+        """The transport's buffer drained (``resume_writing``): read on if pongs held it."""
+        if self._pongs_waiting:
+            self._pongs_waiting = False
+            if not self._read_paused and not self.closed and not self._transport.is_closing():
+                self._transport.resume_reading()
 
     def _peer_closed(self, payload: bytes) -> None:
         if len(payload) == 1:
@@ -395,6 +409,11 @@ class EnvportWebSocketProtocol(WebSocketsSansIOProtocol):
             super().data_received(data)
         else:
             fast.feed(data)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.fast is not None:
+            self.fast.writable_again()
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
