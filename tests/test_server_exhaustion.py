@@ -125,3 +125,30 @@ def test_a_ping_flood_without_reading_the_pongs_stops_being_read(
                     break
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # a connection that sends nothing
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",  # headers never finished
+        b"POST /reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{",  # a body never finished
+    ],
+)
+def test_a_request_that_never_fully_arrives_is_dropped(sent: bytes) -> None:
+    """uvicorn times only the wait between requests: a client that sends nothing, or a
+    request it never finishes (slow loris), held its connection forever."""
+    config = ServerConfig(request_timeout_s=0.5)
+    with run_env_server("echo-v1", config, mcp=False) as (url, _), _connect(url) as sock:
+        sock.sendall(sent)
+        # The server closes the connection (EOF); without the deadline recv() waits on
+        # until the socket's timeout fails the test.
+        rest = b""
+        while got := sock.recv(65536):
+            rest += got
+        assert not rest.startswith(b"HTTP/1.1 2"), rest[:200]
+        # A request that arrives in time is served as before, on a new connection.
+        with _connect(url) as ok:
+            ok.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert _head(ok).startswith(b"HTTP/1.1 200")

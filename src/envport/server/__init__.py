@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from typing import TYPE_CHECKING, Any
@@ -81,6 +82,7 @@ def uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
+        http=_http_protocol(config.request_timeout_s),
         ws=_ws_protocol(ws_impl()),
         ws_per_message_deflate=os.environ.get("ENVPORT_WS_DEFLATE", "0") == "1",
         loop=os.environ.get("ENVPORT_LOOP", "auto"),
@@ -93,6 +95,62 @@ def uvicorn_config(
         backlog=4096,
         lifespan="on",
     )
+
+
+@functools.cache
+def _http_protocol(request_timeout_s: float) -> Any:
+    """uvicorn's HTTP protocol (httptools), with a deadline on each request's arrival.
+
+    uvicorn times only the wait *between* requests (``timeout_keep_alive``): a client
+    that opens a connection and sends nothing, or sends a request a byte at a time and
+    never finishes it, holds the connection (and its file descriptor) forever, and a few
+    thousand such clients starve the server. Here a connection whose request has not
+    fully arrived ``request_timeout_s`` after it began (or after the connection opened)
+    is closed. ``"auto"`` (uvicorn's choice) when httptools is not installed.
+    """
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools ships with uvicorn[standard]
+        return "auto"
+
+    class TimedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
+        _arrival: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            if self._arrival is None:
+                self._arrival = self.loop.call_later(request_timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._arrival is not None:
+                self._arrival.cancel()
+                self._arrival = None
+
+        def _too_slow(self) -> None:
+            self._arrival = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()  # nothing sent yet: the first request's time runs from now
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_message_complete(self) -> None:
+            self._disarm()
+            super().on_message_complete()
+
+        def handle_websocket_upgrade(self) -> None:
+            self._disarm()  # the WebSocket protocol takes the connection over
+            super().handle_websocket_upgrade()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return TimedHttpToolsProtocol
 
 
 def _ws_protocol(name: str) -> Any:

@@ -63,6 +63,13 @@ class ServerConfig(BaseModel):
     idle_timeout_s: float = Field(600.0, gt=0, description="Reap unattached idle sessions.")
     resume_grace_s: float = Field(30.0, ge=0, description="How long a dropped WS may resume.")
     max_frame_bytes: int = Field(16 * 2**20, ge=1024, description="Largest frame or body.")
+    request_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Close an HTTP connection whose request has not fully arrived this long "
+        "after it began (or after the connection opened): a client trickling bytes, or "
+        "sending none, does not hold a connection forever.",
+    )
     reap_interval_s: float = Field(1.0, gt=0)
     allowed_origins: list[str] = Field(
         default_factory=list,
