@@ -152,3 +152,17 @@ def test_a_request_that_never_fully_arrives_is_dropped(sent: bytes) -> None:
         with _connect(url) as ok:
             ok.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert _head(ok).startswith(b"HTTP/1.1 200")
+
+
+async def test_mcp_json_nested_too_deep_is_a_parse_error(served: tuple[str, Any]) -> None:
+    """Python's json raises RecursionError (not ValueError) on deep nesting: it escaped
+    as a bare 500 with a traceback in the log, instead of JSON-RPC's parse error."""
+    import httpx
+
+    url, _ = served
+    async with httpx.AsyncClient(base_url=url) as http:
+        r = await http.post(
+            "/mcp", content=b"[" * (LIMIT - 1), headers={"content-type": "application/json"}
+        )
+    assert r.status_code == 200, r.text[:200]
+    assert r.json()["error"]["code"] == -32700

@@ -73,7 +73,7 @@ async def handle_jsonrpc(session: Session, request: Any) -> dict[str, Any]:
     if isinstance(request, str | bytes | bytearray):
         try:
             request = json.loads(request)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             return jsonrpc_error(None, JsonRpcCode.PARSE_ERROR, f"Parse error: {exc}")
     if not isinstance(request, dict):
         message = f"Invalid Request: expected a JSON object, got {type(request).__name__}."

@@ -377,7 +377,7 @@ def _parse(body: bytes) -> dict[str, Any] | None:
     is wrong with it)."""
     try:
         parsed = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep: handle_jsonrpc says so
         return None
     return parsed if isinstance(parsed, dict) else None
 
