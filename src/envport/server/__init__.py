@@ -113,7 +113,7 @@ def _http_protocol(request_timeout_s: float) -> Any:
     except ImportError:  # pragma: no cover - httptools ships with uvicorn[standard]
         return "auto"
 
-    class TimedHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
+    class TimedHttpToolsProtocol(HttpToolsProtocol):
         _arrival: asyncio.TimerHandle | None = None
 
         def _arm(self) -> None:
