@@ -126,6 +126,7 @@ SERVER_OPTIONS = {
     "--idle-timeout": "idle_timeout_s",
     "--resume-grace": "resume_grace_s",
     "--max-frame-bytes": "max_frame_bytes",
+    "--request-timeout": "request_timeout_s",
     "--stall-warn": "stall_warn_s",
     "--stall-exit": "stall_exit_s",
 }

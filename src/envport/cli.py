@@ -142,6 +142,13 @@ def serve(
     max_frame_bytes: Annotated[
         int, typer.Option(help="Largest WebSocket frame or HTTP body accepted, in bytes.")
     ] = _server_default("max_frame_bytes"),
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds an HTTP request may take to arrive whole (from its first byte, or "
+            "the connection's opening); a slower connection is closed."
+        ),
+    ] = _server_default("request_timeout_s"),
     stall_warn: Annotated[
         float,
         typer.Option(
@@ -183,6 +190,7 @@ def serve(
         idle_timeout_s=idle_timeout,
         resume_grace_s=resume_grace,
         max_frame_bytes=max_frame_bytes,
+        request_timeout_s=request_timeout,
         stall_warn_s=stall_warn,
         stall_exit_s=stall_exit,
         allowed_origins=allow_origin or None,
