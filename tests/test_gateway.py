@@ -1302,7 +1302,12 @@ async def test_agent_tokens_are_denied_every_admin_route_and_other_rollouts(gw: 
         assert r.status_code == 403  # an agent learns nothing about other rollout ids
     assert not gw.gw.gate.paused
     assert (await gw.view(b["rollout_id"]))["model_calls"] == []
-    assert (await gw.view(a["rollout_id"]))["state"] == "live"
+    assert (await gw.view(b["rollout_id"]))["errors"] == []
+    own = await gw.view(a["rollout_id"])
+    assert own["state"] == "live"
+    # the agent's probing of other rollouts shows on its own trace (the model calls)
+    assert [e["kind"] for e in own["errors"]] == ["harness"] * 3
+    assert b["rollout_id"] in own["errors"][0]["message"]
     assert (await gw.stats())["denied"] >= len(admin_routes) + 3
 
 

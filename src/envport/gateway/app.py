@@ -591,6 +591,20 @@ class Gateway:
             )
         return rollout
 
+    def _denied(self, exc: GatewayError, grant: Grant | None, scope: Scope) -> None:
+        """A model call refused before it reached a rollout: counted, logged (never the
+        token), and, when a valid agent token was refused (another rollout's path or
+        header), recorded on its own rollout's trace: an agent probing other rollouts
+        shows in its own."""
+        self.counters["denied"] += 1
+        own = self.rollouts.get(grant.rollout_id) if grant and grant.rollout_id else None
+        _log.info(
+            "model call refused: %s %s (%s%s)", scope["method"], scope["path"], exc.error_code,
+            f", an agent token of rollout {own.rollout_id}" if own is not None else "",
+        )  # fmt: skip
+        if own is not None:
+            own.errors.append(_harness_error(exc))
+
     async def serve_call(
         self, api: Api, path_rollout: str | None, scope: Scope, receive: Receive, send: Send
     ) -> None:
@@ -625,6 +639,7 @@ class Gateway:
         the returned app is run with the same ``send``."""
         headers = _call_headers(scope)
         rollout: Rollout | None = None
+        grant: Grant | None = None
         try:
             grant = self.tokens.check(token_from_headers(headers))
             rollout = self._rollout_for_call(path_rollout, headers, grant)
@@ -632,7 +647,7 @@ class Gateway:
             body = _json_object(raw)
         except GatewayError as exc:
             if rollout is None:
-                self.counters["denied"] += 1
+                self._denied(exc, grant, scope)
             else:
                 rollout.errors.append(_harness_error(exc))
             return exc.response(api.dialect), None
