@@ -261,6 +261,48 @@ async def test_an_oversize_body_gets_413_whether_announced_or_streamed() -> None
     assert calls == [b"y" * 1000]
 
 
+async def test_bodies_arriving_at_once_past_the_server_s_budget_get_503() -> None:
+    """Each body is bounded by max_body and the request timeout, but not their sum: many
+    connections uploading at once (before any token is checked) could hold gigabytes.
+    Past the budget of bodies still arriving, a request is refused; the budget frees as
+    bodies are handed over, refused or dropped."""
+    calls: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            calls.append((await receive())["body"])
+            await echo_body(b"ok", send)
+
+    async with running(app, max_body=1000, max_buffered=1500) as (port, _):
+        first, first_w = await connect(port)
+        first_w.write(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n" + b"a" * 900)
+        second, second_w = await connect(port)
+        second_w.write(b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n" + b"b" * 900)
+        status, _, body = await read_response(second)
+        assert status == 503
+        assert b"too many request bodies" in body
+        assert await closed(second)
+        first_w.write(b"a" * 100)  # the first finishes: served
+        assert (await read_response(first))[::2] == (200, b"ok")
+        third, third_w = await connect(port)  # what was handed over no longer counts
+        third_w.write(request(body=b"c" * 1000))
+        assert (await read_response(third))[::2] == (200, b"ok")
+        _, dropped_w = await connect(port)  # a client leaving mid-body frees its share
+        head = b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 1000\r\n\r\n"
+        dropped_w.write(head + b"d" * 900)
+        dropped_w.close()
+        for _ in range(100):  # until the server has heard it leave
+            fourth, fourth_w = await connect(port)
+            fourth_w.write(request(body=b"e" * 1000))
+            status, _, body = await read_response(fourth)
+            if status == 200:
+                break
+            assert status == 503
+            await asyncio.sleep(0.05)
+        assert (status, body) == (200, b"ok")
+    assert calls == [b"a" * 1000, b"c" * 1000, b"e" * 1000]
+
+
 async def test_an_oversize_head_gets_431_however_it_comes() -> None:
     """Before anything is authenticated, a request's head is bounded: one endless header
     line (held by the parser until it ends), too many lines, a long URL."""

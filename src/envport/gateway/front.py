@@ -57,6 +57,10 @@ ASGIApp = Callable[
 ]
 
 MAX_BODY = 64 * 1024 * 1024
+# Request bodies still arriving, all connections together: past it a request is refused
+# (503) rather than buffered, so many large uploads at once cannot exhaust memory before
+# any token is checked (each is bounded by MAX_BODY and the request timeout only).
+MAX_BUFFERED = 16 * MAX_BODY
 MAX_HEAD = 64 * 1024  # a request's line and headers, in bytes
 MAX_HEADERS = 256  # header lines in one request
 KEEP_ALIVE_S = 5.0
@@ -113,9 +117,12 @@ class _Server:
         state: dict[str, Any],
         max_head: int = MAX_HEAD,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_buffered: int = MAX_BUFFERED,
     ) -> None:
         self.app = app
         self.max_body = max_body
+        self.max_buffered = max_buffered
+        self.buffered = 0  # bytes of request bodies still arriving, every connection
         self.max_head = max_head
         self.keep_alive_s = keep_alive_s
         self.request_timeout_s = request_timeout_s
@@ -337,6 +344,7 @@ class _Http11(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self._release()
         server = self.server
         server.connections.discard(self)
         if server.closing and not server.connections:
@@ -433,10 +441,21 @@ class _Http11(asyncio.Protocol):
             return
         self.continue_due = False  # the body comes without it
         self.size += len(body)
-        if self.size > self.server.max_body:
+        server = self.server
+        server.buffered += len(body)
+        if self.size > server.max_body:
             self._too_large()
+        elif server.buffered > server.max_buffered:
+            self._release()
+            self.body = []
+            self._refuse(503, "The server is receiving too many request bodies; retry later.")
         else:
             self.body.append(body)
+
+    def _release(self) -> None:
+        """This request's body no longer counts as arriving (handed over, refused, lost)."""
+        self.server.buffered -= self.size
+        self.size = 0
 
     def _head_too_large(self) -> None:
         self._refuse(
@@ -448,12 +467,15 @@ class _Http11(asyncio.Protocol):
 
     def _too_large(self) -> None:
         limit = self.server.max_body
+        self._release()
         self._refuse(413, f"The request body is larger than this server takes ({limit} bytes).")
         self.body = []
 
     def on_message_complete(self) -> None:
         self.began = 0.0
         self.continue_due = False
+        if self.size:
+            self._release()  # the body is the app's now
         if self.refused or self.transport.is_closing():
             return  # answered already, or the connection ends: nothing more is served
         parser = self.parser
@@ -715,6 +737,7 @@ async def serve_asgi(
     max_head: int = MAX_HEAD,
     keep_alive_s: float = KEEP_ALIVE_S,
     request_timeout_s: float = REQUEST_TIMEOUT_S,
+    max_buffered: int = MAX_BUFFERED,
     grace_s: float = GRACE_S,
     stop: asyncio.Event | None = None,
     ready: Callable[[int], None] | None = None,
@@ -735,6 +758,7 @@ async def serve_asgi(
         max_head=max_head,
         keep_alive_s=keep_alive_s,
         request_timeout_s=request_timeout_s,
+        max_buffered=max_buffered,
         state=state,
     )
     server = await loop.create_server(lambda: _Http11(shared), host, port, backlog=2048)
