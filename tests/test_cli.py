@@ -127,6 +127,7 @@ SERVER_OPTIONS = {
     "--resume-grace": "resume_grace_s",
     "--max-frame-bytes": "max_frame_bytes",
     "--request-timeout": "request_timeout_s",
+    "--mcp-max-sessions": "mcp_max_sessions",
     "--stall-warn": "stall_warn_s",
     "--stall-exit": "stall_exit_s",
 }

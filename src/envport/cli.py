@@ -149,6 +149,13 @@ def serve(
             "the connection's opening); a slower connection is closed."
         ),
     ] = _server_default("request_timeout_s"),
+    mcp_max_sessions: Annotated[
+        int,
+        typer.Option(
+            help="Live MCP sessions at once on /mcp; at the limit a new one replaces the "
+            "oldest that has not used a tool yet."
+        ),
+    ] = _server_default("mcp_max_sessions"),
     stall_warn: Annotated[
         float,
         typer.Option(
@@ -191,6 +198,7 @@ def serve(
         resume_grace_s=resume_grace,
         max_frame_bytes=max_frame_bytes,
         request_timeout_s=request_timeout,
+        mcp_max_sessions=mcp_max_sessions,
         stall_warn_s=stall_warn,
         stall_exit_s=stall_exit,
         allowed_origins=allow_origin or None,

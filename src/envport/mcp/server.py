@@ -13,6 +13,13 @@ expiry). envport adds only the mapping from MCP sessions to envport sessions:
   the SDK's idle timeout (set to the server's ``idle_timeout_s``), or shutdown. The hook
   is the SDK's per-connection exit stack, so every way a session can end goes through
   the same code.
+* **Session cap.** The SDK holds at most ``ServerConfig.mcp_max_sessions`` MCP sessions.
+  A bare ``initialize`` costs a client nothing (no envport session until the first
+  ``tools/*``) and would otherwise live ``idle_timeout_s``, so one client looping on it
+  could fill the cap and lock every other agent out. At the cap, a new session therefore
+  replaces the oldest one that has not yet had a ``tools/*`` request answered
+  (:class:`_SessionManager`); sessions in use are never evicted, and only when every one
+  is in use is a new one refused (503, the SDK's answer).
 * **Shared session.** A request with header ``X-Envport-Session: <token>`` acts on that
   existing envport session instead (an agent using MCP on the environment a trainer
   drives over WebSocket). The token to give an agent is the session's tools-only one
@@ -55,14 +62,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import mcp_types as types
+from mcp.server.auth.middleware.bearer_auth import AuthorizationContext
 from mcp.server.connection import Connection
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.server.streamable_http import MCP_SESSION_ID_HEADER, StreamableHTTPServerTransport
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
@@ -94,6 +104,8 @@ from envport.session import Session, SessionStatus
 #: give an agent) or its control token.
 SESSION_HEADER = "x-envport-session"
 
+_log = logging.getLogger("envport.mcp")
+
 _OWN = "envport.session"
 _LOCK = "envport.session_lock"
 
@@ -122,7 +134,7 @@ class MCPEndpoint:
         )
         # Stateful environments need the handshake era; see the module docstring.
         self.server.add_request_handler("server/discover", types.RequestParams, _no_discover)
-        self._sdk: StreamableHTTPSessionManager | None = None
+        self._sdk: _SessionManager | None = None
         # OpenEnv's plain-HTTP MCP sessions (openenv/session/create), by tools-only token
         self._openenv_sessions: dict[str, Session] = {}
         self.asgi = _EndpointApp(self)
@@ -134,10 +146,12 @@ class MCPEndpoint:
         On exit every MCP session ends, which closes the envport sessions they own.
         May be entered again after it exits (each run gets a fresh SDK manager).
         """
-        sdk = StreamableHTTPSessionManager(
+        config = self.manager.config
+        sdk = _SessionManager(
             app=self.server,
             security_settings=self.security,
-            session_idle_timeout=self.manager.config.idle_timeout_s,
+            session_idle_timeout=config.idle_timeout_s,
+            max_sessions=config.mcp_max_sessions,
         )
         async with sdk.run():
             self._sdk = sdk
@@ -296,6 +310,14 @@ class MCPEndpoint:
     # --- session mapping ---------------------------------------------------------------
 
     async def _session_for(self, ctx: Context) -> Session:
+        session = await self._resolve(ctx)
+        # In use: no longer one a flood of new sessions may evict (see _SessionManager).
+        mcp_session_id = _header(ctx, MCP_SESSION_ID_HEADER)
+        if mcp_session_id and self._sdk is not None:
+            self._sdk.mark_in_use(mcp_session_id)
+        return session
+
+    async def _resolve(self, ctx: Context) -> Session:
         token = _header(ctx, SESSION_HEADER)
         if token:
             try:
@@ -341,6 +363,68 @@ class MCPEndpoint:
             await call
         except EnvportError as exc:
             raise MCPError(types.INTERNAL_ERROR, exc.message, exc.to_wire()) from exc
+
+
+class _SessionManager(StreamableHTTPSessionManager):
+    """The SDK's session manager, which at its session cap evicts the oldest MCP session
+    that has not yet had a ``tools/*`` request answered instead of refusing the new one.
+
+    Why: a session that only sent ``initialize`` holds no envport session, so nothing but
+    this cap limits how many one client can open, and each lives ``idle_timeout_s``. The
+    sessions in use are bounded by the envport sessions they hold (``max_sessions``), or
+    need a session's token (``X-Envport-Session``); a bare ``initialize`` flood now only
+    evicts its own kind. A real agent lists or calls tools right after ``initialize``, so
+    only a flood of more than the cap in that moment could evict its session (it then
+    gets 404, as after an idle expiry).
+
+    Hooks: ``_admit_session`` (sync, under the SDK's session-creation lock) and
+    ``_discard_session`` (every way a session ends), with ``_server_instances`` (insertion
+    order: oldest first) -- private in ``mcp`` 2.3, so checked on construction.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        for name in ("_admit_session", "_discard_session", "_server_instances"):
+            if not hasattr(self, name):
+                raise RuntimeError(
+                    f"This mcp SDK's session manager has no {name}; envport needs mcp>=2.3,<3."
+                )
+        self._in_use: set[str] = set()
+
+    def mark_in_use(self, session_id: str) -> None:
+        if session_id in self._server_instances:  # not one already ended
+            self._in_use.add(session_id)
+
+    def _admit_session(
+        self, requestor: AuthorizationContext | None
+    ) -> StreamableHTTPServerTransport | None:
+        if self.max_sessions is not None and len(self._server_instances) >= self.max_sessions:
+            self._evict_unused()
+        return super()._admit_session(requestor)
+
+    def _evict_unused(self) -> None:
+        """End the oldest session not in use, forgetting it at once (its ID answers 404
+        from now) so the caller can admit a new one."""
+        for session_id, transport in self._server_instances.items():
+            scope = transport.idle_scope
+            # No idle scope yet: its server task is starting (its opening request is
+            # being served); the SDK discards it itself if that fails.
+            if session_id not in self._in_use and scope is not None:
+                break
+        else:
+            return
+        del self._server_instances[session_id]
+        self._session_owners.pop(session_id, None)
+        # What the idle timeout does: the session's server task leaves its loop, closes
+        # the connection (its exit stack) and terminates the transport.
+        scope.cancel()
+        _log.info("MCP session cap reached: evicted unused session %s", session_id)
+
+    async def _discard_session(
+        self, session_id: str, transport: StreamableHTTPServerTransport
+    ) -> None:
+        self._in_use.discard(session_id)
+        await super()._discard_session(session_id, transport)
 
 
 def _plain_jsonrpc(scope: Scope) -> bool:

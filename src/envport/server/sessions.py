@@ -70,6 +70,13 @@ class ServerConfig(BaseModel):
         "after it began (or after the connection opened): a client trickling bytes, or "
         "sending none, does not hold a connection forever.",
     )
+    mcp_max_sessions: int = Field(
+        10_000,
+        ge=1,
+        description="Live MCP (Streamable HTTP) sessions at once on /mcp. At the limit, "
+        "a new one replaces the oldest that has not yet used a tool (its ID then answers "
+        "404); only when every one has is a new one refused (503).",
+    )
     reap_interval_s: float = Field(1.0, gt=0)
     allowed_origins: list[str] = Field(
         default_factory=list,
