@@ -554,6 +554,31 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     )
 
 
+def test_completion_top_logprobs_as_vllm_reports_them(client: openai.OpenAI) -> None:
+    # vLLM's legacy logprobs always carry one top_logprobs dict per token, the chosen
+    # token first: with ``logprobs: 0`` that is ``{token: logprob}`` (not null), which is
+    # what the gateway's request_token_ids policy asks for on /v1/completions.
+    kwargs: dict[str, Any] = {"model": "m", "prompt": "What is 2 + 5?", "seed": 4}
+    for top in (0, 2):
+        full = client.completions.create(logprobs=top, **kwargs).choices[0].logprobs
+        assert full.top_logprobs is not None
+        assert len(full.top_logprobs) == len(full.tokens)
+        for token, lp, alts in zip(
+            full.tokens, full.token_logprobs, full.top_logprobs, strict=True
+        ):
+            assert next(iter(alts.items())) == (token, lp)  # the chosen token first
+            assert len(alts) == (1 if top == 0 else 2)
+        streamed = []
+        for chunk in client.completions.create(logprobs=top, stream=True, **kwargs):
+            for c in chunk.choices:
+                streamed += c.logprobs.top_logprobs
+        assert streamed == full.top_logprobs
+    echoed = client.completions.create(logprobs=0, echo=True, **kwargs).choices[0].logprobs
+    assert echoed.top_logprobs[0] is None
+    rest = zip(echoed.tokens, echoed.token_logprobs, echoed.top_logprobs, strict=True)
+    assert all(alts == {t: lp} for t, lp, alts in list(rest)[1:])
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

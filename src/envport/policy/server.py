@@ -683,6 +683,11 @@ class _Handler:
         ``text_offset`` counts from ``offset`` (vLLM streams each chunk's offsets from the
         length of the text already sent). With ``echo`` the prompt's tokens come first, the
         first of them with ``None`` for its logprob and alternatives (nothing predicts it).
+
+        As in vLLM, ``top_logprobs`` is a list of one dict per token whenever logprobs were
+        asked for, ``logprobs: 0`` included: each dict has the chosen token first, then up
+        to ``top`` alternatives (so ``logprobs: 0`` gives ``{token: logprob}`` per token,
+        not ``null``).
         """
         if top is None:
             return None
@@ -691,23 +696,27 @@ class _Handler:
         ids: list[int] = list(gen.token_ids[start:stop])
         lps: list[float | None] = list(gen.logprobs[start:stop])
         alts: list[tuple[tuple[int, float], ...] | None] = list(gen.top_logprobs[start:stop])
-        has_alts = bool(gen.top_logprobs) or start == stop
+        alts += [()] * (len(ids) - len(alts))  # a policy that reports no alternatives
         if echo:
+            prompt_alts = list(gen.prompt_top_logprobs)
+            prompt_alts += [()] * (len(gen.prompt_token_ids) - len(prompt_alts))
             ids = list(gen.prompt_token_ids) + ids
             lps = list(gen.prompt_logprobs) + lps
-            alts = list(gen.prompt_top_logprobs) + alts
-            has_alts = has_alts and len(gen.prompt_top_logprobs) == len(gen.prompt_token_ids)
+            alts = prompt_alts + alts
         tokens = [tok.token_str(t) for t in ids]
         offsets, pos = [], offset
         for text in tokens:
             offsets.append(pos)
             pos += len(text)
-        tops = None
-        if top > 0 and has_alts:
-            tops = [
-                None if step is None else {tok.token_str(t): lp for t, lp in step[:top]}
-                for step in alts
-            ]
+        tops: list[dict[str, float] | None] = []
+        for token, lp, step in zip(tokens, lps, alts, strict=True):
+            if lp is None:  # the echoed prompt's first token: nothing predicts it
+                tops.append(None)
+                continue
+            entry = {token: lp}
+            for t, alt_lp in (step or ())[:top]:
+                entry.setdefault(tok.token_str(t), alt_lp)
+            tops.append(entry)
         return {
             "tokens": tokens,
             "token_logprobs": lps,
