@@ -590,6 +590,27 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     assert error["param"] == param
 
 
+def test_cross_field_rules_vllm_refuses(url: str) -> None:
+    # vLLM's request validators answer 400 to these; a stand-in that took them would hide
+    # a client (or a gateway rewrite) sending them.
+    chat, cmpl = f"{url}/v1/chat/completions", f"{url}/v1/completions"
+    ask_ = {"messages": [{"role": "user", "content": "hi"}]}
+    options = {"stream_options": {"include_usage": True}}
+    assert_openai_error(httpx.post(chat, json={**ask_, **options}), 400, "stream_options")
+    assert_openai_error(
+        httpx.post(cmpl, json={"prompt": "hi", "stream": False, **options}), 400, "stream_options"
+    )
+    assert_openai_error(httpx.post(chat, json={**ask_, "top_logprobs": 2}), 400, "top_logprobs")
+    # allowed by vLLM: an empty stream_options, top_logprobs 0, both with their switch on
+    for body in (
+        {**ask_, "stream_options": {}},
+        {**ask_, "top_logprobs": 0},
+        {**ask_, "top_logprobs": 2, "logprobs": True},
+        {**ask_, "stream": True, **options},
+    ):
+        assert httpx.post(chat, json=body).status_code == 200, body
+
+
 def test_bad_requests_get_openai_errors(url: str, client: openai.OpenAI) -> None:
     chat = f"{url}/v1/chat/completions"
     bad_json = httpx.post(

@@ -249,6 +249,17 @@ class _Request(_Model):
     return_token_ids: bool | None = None
     include_stop_str_in_output: bool = False
 
+    def check(self) -> None:
+        """Cross-field rules vLLM refuses with a 400 (its request validators)."""
+        options = self.stream_options
+        given = options is not None and bool(options.model_fields_set or options.model_extra)
+        if given and not self.stream:  # vLLM lets an empty ``{}`` through
+            raise APIError(
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+                code="invalid_value",
+            )
+
     @property
     def include_token_ids(self) -> bool:
         return self.return_token_ids is not False
@@ -288,6 +299,15 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+
 
 class CompletionRequest(_Request):
     """``prompt`` is text, a list of texts, token ids, or a list of token-id lists; each
@@ -307,9 +327,11 @@ async def _parse(request: Request, model: type[_Request]) -> Any:
     if not isinstance(data, dict):
         raise APIError("The request body must be a JSON object.", code="invalid_json")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as exc:
         raise _from_validation(exc) from exc
+    req.check()
+    return req
 
 
 # --- responses --------------------------------------------------------------------------------
