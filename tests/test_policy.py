@@ -554,6 +554,31 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     )
 
 
+def test_streamed_chat_role_chunks_as_vllm_sends_them(url: str) -> None:
+    # vLLM opens a chat stream with one role chunk per choice, before any content: its
+    # logprobs null, no token_ids, and the prompt's ids on each choice's chunk.
+    body = {
+        "messages": [{"role": "user", "content": "What is 6 + 1?"}],
+        "n": 2,
+        "stream": True,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    lines = httpx.post(f"{url}/v1/chat/completions", json=body).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    roles, rest = chunks[:2], chunks[2:]
+    assert [c["choices"][0]["index"] for c in roles] == [0, 1]
+    prompt = TOK.encode(TOK.apply_chat_template(body["messages"]))
+    for c in roles:
+        choice = c["choices"][0]
+        assert choice["delta"] == {"role": "assistant", "content": ""}
+        assert choice["logprobs"] is None
+        assert "token_ids" not in choice
+        assert c["prompt_token_ids"] == prompt
+    assert all("role" not in c["choices"][0]["delta"] for c in rest)
+    assert all("prompt_token_ids" not in c for c in rest)
+
+
 def test_completion_top_logprobs_as_vllm_reports_them(client: openai.OpenAI) -> None:
     # vLLM's legacy logprobs always carry one top_logprobs dict per token, the chosen
     # token first: with ``logprobs: 0`` that is ``{token: logprob}`` (not null), which is

@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (both with SS
 streaming), ``GET /v1/models``, ``GET /health``.
 
 Responses follow vLLM's format with ``return_token_ids``: ``prompt_token_ids`` at the top
-level of a chat response (in the first chunk when streaming; on each choice for
+level of a chat response (when streaming, on each choice's opening role chunk, sent
+for every choice before any content, with null logprobs as vLLM does; on each choice for
 ``/v1/completions``, which may batch prompts, and on each choice's first chunk when
 streaming, even an empty completion's) and ``token_ids`` on each choice (on each chunk
 when streaming; concatenated they are the completion's ids, the end-of-turn token
@@ -626,11 +627,15 @@ class _Handler:
                 choice["token_ids"] = list(gen.token_ids[start:stop])
             return {**base, "choices": [choice]}
 
+        # As vLLM does: first a role chunk for every choice (no logprobs, no token ids, the
+        # prompt's ids on each), then each choice's content.
         for index, gen in enumerate(gens):
-            first = chunk(index, {"role": "assistant", "content": ""}, gen, 0, 0)
-            if index == 0 and req.include_token_ids:
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}}
+            first = {**base, "choices": [{**role, "logprobs": None, "finish_reason": None}]}
+            if req.include_token_ids:
                 first["prompt_token_ids"] = list(gen.prompt_token_ids)
             yield _sse(first)
+        for index, gen in enumerate(gens):
             pos = 0
             for seg in _segments(tok, gen):
                 yield _sse(chunk(index, seg.delta, gen, seg.start, seg.stop))
