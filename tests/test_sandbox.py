@@ -291,6 +291,9 @@ async def test_writes_outside_the_workspace_never_reach_the_host(
                 await sb.read_file(bad)
         with pytest.raises(SandboxPathError):
             await sb.write_file("/tmp/x", "no")
+        await sb.write_file("plain.txt", "a file")
+        with pytest.raises(SandboxError, match="a parent is not a directory"):
+            await sb.write_file("plain.txt/inside/x.txt", "no")
         with pytest.raises(FileNotFoundError):
             await sb.read_file("missing.txt")
 

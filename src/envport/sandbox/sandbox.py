@@ -527,14 +527,20 @@ class Sandbox:
             f"{path!r} leads (through a symlink) outside the workspace {self.workdir}"
         )
 
-    def _open(self, path: str, flags: int, mode: int = 0o666) -> int:
-        """A descriptor of workspace path ``path``, opened as root on the host but never
-        outside the workspace, whatever the sandbox swaps meanwhile (:mod:`.beneath`):
-        symlinks are followed only while they stay in it. ``FileNotFoundError`` if a
+    def _open(self, path: str, flags: int, mode: int = 0o666, *, rel: str | None = None) -> int:
+        """A descriptor of workspace path ``path`` (or of ``rel``, relative to the workdir,
+        on the way to it), opened as root on the host but never outside the workspace,
+        whatever the sandbox swaps meanwhile (:mod:`.beneath`): symlinks are followed only
+        while they stay in it (else :class:`SandboxPathError`). ``FileNotFoundError`` if a
         component is missing (or not a directory)."""
-        with contextlib.suppress(OSError):  # a path changing under it: the open decides
-            self.host_path(path)  # a clear error for the plain case
-        rel = self._workspace_rel(path)
+        if rel is None:
+            try:
+                self.host_path(path)  # a plain escape, named plainly; a swap after is the open's
+            except SandboxPathError:
+                raise
+            except OSError:
+                pass  # the path changing under the check: the open decides
+            rel = self._workspace_rel(path)
         root = os.open(self.host_workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             return open_beneath(root, rel, flags, mode)
@@ -583,11 +589,12 @@ class Sandbox:
         data = content.encode("utf-8") if isinstance(content, str) else content
 
         def write() -> None:
-            parent = posixpath.dirname(rel)
-            self._make_dirs(path, parent)
             try:
+                self._make_dirs(path, posixpath.dirname(rel))
                 fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK
                                 | os.O_NOCTTY)  # fmt: skip
+            except FileNotFoundError:  # a component is a file
+                raise SandboxError(f"cannot write {path!r}: a parent is not a directory") from None
             except IsADirectoryError:
                 raise SandboxError(f"cannot write {path!r}: it is a directory") from None
             except OSError as exc:
@@ -612,7 +619,7 @@ class Sandbox:
 
         try:
             await asyncio.to_thread(write)
-        except (SandboxError, FileNotFoundError):
+        except SandboxError:
             raise
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
@@ -629,29 +636,16 @@ class Sandbox:
         for i in range(len(parts)):
             here = "/".join(parts[: i + 1])
             try:
-                os.close(self._open_rel(path, here, os.O_PATH | os.O_DIRECTORY))
+                os.close(self._open(path, os.O_PATH | os.O_DIRECTORY, rel=here))
                 continue
             except FileNotFoundError:
                 pass
-            up = self._open_rel(path, "/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY)
+            up = self._open(path, os.O_PATH | os.O_DIRECTORY, rel="/".join(parts[:i]))
             try:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(parts[i], 0o777, dir_fd=up)
             finally:
                 os.close(up)
-
-    def _open_rel(self, path: str, rel: str, flags: int) -> int:
-        root = os.open(self.host_workdir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            return open_beneath(root, rel, flags)
-        except OSError as exc:
-            if exc.errno in (errno.EXDEV, errno.ELOOP):
-                raise self._escapes(path) from None
-            if exc.errno == errno.ENOENT:
-                raise FileNotFoundError(rel) from None
-            raise
-        finally:
-            os.close(root)
 
     async def list_dir(self, path: str = ".") -> list[dict[str, Any]]:
         """Entries of a directory: name, type (file, dir, symlink, other) and size."""
