@@ -62,6 +62,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticSerializationError
 
 from envport.client import EnvClient
 from envport.deadlines import GRACE_S, frame_timeout, stage_deadline
@@ -980,23 +981,13 @@ class Controller:
             if history:
                 trace.metadata["previous_attempts"] = history
             final = RolloutState.SUCCEEDED if kind is None else RolloutState.FAILED
-            f.state.check(final)
-            await self._call(
-                self._db.finish_rollout,
-                rid,
-                expect=f.state.value,
-                trace=trace,
-                attempt=self._ended(
-                    f,
-                    AttemptState.SUCCEEDED if kind is None else AttemptState.FAILED,
-                    kind,
-                    error,
-                ),
-                state=final.value,
-                failures=failures,
-                error_kind=kind.value if kind else None,
-                error_message=error.message if error else None,
-            )
+            try:
+                await self._finish(f, trace, final, kind, error, failures)
+            except PydanticSerializationError as exc:  # nothing written: store it failed
+                trace = f.trace = _unstorable(trace, exc)
+                failures += kind is None
+                kind, error, final = ErrorKind.HARNESS, trace.errors[-1], RolloutState.FAILED
+                await self._finish(f, trace, final, kind, error, failures)
             self._emit(
                 RolloutEvent(
                     rollout_id=rid,
@@ -1008,6 +999,31 @@ class Controller:
                 )
             )
             return RolloutResult(rid, trace, number)
+
+    async def _finish(
+        self,
+        f: _Flight,
+        trace: Trace,
+        final: RolloutState,
+        kind: ErrorKind | None,
+        error: TraceError | None,
+        failures: int,
+    ) -> None:
+        """Write the rollout's final trace and state, and its attempt's end, at once."""
+        f.state.check(final)
+        await self._call(
+            self._db.finish_rollout,
+            f.rollout_id,
+            expect=f.state.value,
+            trace=trace,
+            attempt=self._ended(
+                f, AttemptState.SUCCEEDED if kind is None else AttemptState.FAILED, kind, error
+            ),
+            state=final.value,
+            failures=failures,
+            error_kind=kind.value if kind else None,
+            error_message=error.message if error else None,
+        )
 
     @staticmethod
     def _ended(
@@ -1120,7 +1136,10 @@ class Controller:
             self._record(trace, stage, exc, classify(exc, stage))
         trace.timings["total"] = time.perf_counter() - t0
         trace.finished_at = datetime.now(UTC)
-        trace = f.trace = _storable(trace)
+        try:
+            check_reward(trace)  # cheap; a value JSON cannot hold is found as it is stored
+        except ValueError as exc:
+            trace = f.trace = _unstorable(trace, exc)
         # A rubric of metrics only (every weight 0) makes no total: completed, unscored.
         scored = trace.reward is not None or rubric is None or not rubric.weighted
         fatal = [e for e in trace.errors if e.kind is not ErrorKind.RUBRIC]
@@ -1302,31 +1321,27 @@ class Controller:
             raise _StageFailed(stage, error) from error
 
 
-def _storable(trace: Trace) -> Trace:
-    """``trace``, or a copy the store can write, failed as the harness's.
+def _unstorable(trace: Trace, exc: Exception) -> Trace:
+    """A copy of ``trace`` the store can write, failed as the harness's.
 
     The harness may put anything on the trace it is given (a numpy number in its
     metadata, a non-finite reward). A trace the store refuses would raise out of the
     rollout's task, and the controller's task group would cancel every sibling rollout:
     instead, values that are not JSON are kept as their ``repr`` and the rollout fails
     with a ``harness`` error that says why (never retried, never scored)."""
-    try:
-        check_reward(trace)
-        trace.to_json()
-    except Exception as exc:
-        clean = Trace.model_validate(trace.model_dump(mode="json", fallback=repr))
-        clean.reward = None
-        clean.errors.append(
-            TraceError(
-                kind=ErrorKind.HARNESS,
-                message=f"the trace cannot be stored ({exc}); values that are not JSON "
-                "are kept as their repr",
-                where="store",
-                type=type(exc).__qualname__,
-            )
+    clean = Trace.model_validate(trace.model_dump(mode="json", fallback=repr))
+    clean.reward = None
+    clean.status = TraceStatus.FAILED
+    clean.errors.append(
+        TraceError(
+            kind=ErrorKind.HARNESS,
+            message=f"the trace cannot be stored ({exc}); values that are not JSON "
+            "are kept as their repr",
+            where="store",
+            type=type(exc).__qualname__,
         )
-        return clean
-    return trace
+    )
+    return clean
 
 
 @functools.cache

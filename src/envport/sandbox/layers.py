@@ -266,16 +266,9 @@ def _copy_range(i: int, o: int, offset: int, count: int) -> int:
 
 
 def _copy_attrs(src: str | Path, dst: str | Path, st: os.stat_result | None = None) -> None:
-    st = st or os.lstat(src)
-    link = stat.S_ISLNK(st.st_mode)
-    for name in os.listxattr(src, follow_symlinks=False):
-        with contextlib.suppress(OSError):
-            os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False),
-                        follow_symlinks=False)  # fmt: skip
-    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
-    if not link:
-        os.chmod(dst, stat.S_IMODE(st.st_mode))
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+    """:func:`_copy_attrs_of` an entry named by path (not followed): for layers no sandbox
+    writes any more (:func:`squash`)."""
+    _copy_attrs_of(None, str(src), dst, st or os.lstat(src))
 
 
 _OPAQUE = "trusted.overlay.opaque"
