@@ -79,18 +79,26 @@ def owner_alive(pid: int, start: int | None) -> bool:
 
 class OutputTail:
     """The last ``limit`` bytes written to a stream: memory stays bounded whatever a
-    command prints, and what comes last (a test run's summary, a traceback) is kept."""
+    command prints, and what comes last (a test run's summary, a traceback) is kept.
+    ``head=True`` keeps the first ``limit`` bytes instead (an agent's command: what it
+    printed first)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, head: bool = False) -> None:
         self.limit = limit
+        self.head = head
         self.buffer = bytearray()
-        self.dropped = 0  # bytes cut from the front
+        self.dropped = 0  # bytes cut (from the front; with ``head``, from the end)
 
     @property
     def truncated(self) -> bool:
         return self.dropped > 0
 
     def feed(self, data: bytes) -> None:
+        if self.head:
+            room = max(self.limit - len(self.buffer), 0)
+            self.buffer += data[:room]
+            self.dropped += len(data) - min(room, len(data))
+            return
         self.buffer += data
         excess = len(self.buffer) - self.limit
         if excess > 0:
@@ -101,7 +109,7 @@ class OutputTail:
         """The tail as text (invalid UTF-8 as U+FFFD; a character the cut split is left
         out whole); with ``note``, a cut tail starts with a line saying how much went."""
         start = 0
-        if self.dropped:
+        if self.dropped and not self.head:
             while start < min(len(self.buffer), 3) and 0x80 <= self.buffer[start] < 0xC0:
                 start += 1
         text = self.buffer[start:].decode("utf-8", "replace")
@@ -117,10 +125,12 @@ class CommandOutput(asyncio.SubprocessProtocol):
 
     ``on_line`` is called for each chunk of output that ends a line (a heartbeat)."""
 
-    def __init__(self, limit: int, on_line: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, limit: int, on_line: Callable[[], None] | None = None, *, head: bool = False
+    ) -> None:
         self.on_line = on_line
-        self.stdout = OutputTail(limit)
-        self.stderr = OutputTail(limit)
+        self.stdout = OutputTail(limit, head=head)
+        self.stderr = OutputTail(limit, head=head)
         self.exited = asyncio.Event()
         self.pipes_closed = asyncio.Event()
         self._open = {1, 2}

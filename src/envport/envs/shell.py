@@ -88,6 +88,7 @@ from pydantic import Field
 
 from envport.env import AnyAction, Env
 from envport.errors import ActionValidationError, EnvExecutionError, ToolError
+from envport.procs import CommandOutput, OutputTail
 from envport.sandbox.confine import confinement_args
 from envport.sandbox.procfs import proc_hardening_args
 from envport.tools import tool
@@ -288,42 +289,13 @@ def _run_probe() -> BwrapProbe:
 # --- running one command -----------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Capture:
-    data: bytearray = dataclasses.field(default_factory=bytearray)
-    dropped: int = 0
-
-
-async def _read_capped(stream: asyncio.StreamReader | None, cap: int, into: _Capture) -> None:
-    """Read ``stream`` to EOF, keeping the first ``cap`` bytes (draining the rest)."""
-    if stream is None:
-        return
-    while chunk := await stream.read(65536):
-        room = cap - len(into.data)
-        into.data += chunk[:room] if room > 0 else b""
-        into.dropped += max(0, len(chunk) - max(room, 0))
-
-
-class _ExitHeard(asyncio.subprocess.SubprocessStreamProtocol):
-    """asyncio's stream protocol, telling when the process itself exits (its pipes may
-    stay open: a background child it left holds them)."""
-
-    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=limit, loop=loop)
-        self.exited = asyncio.Event()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        self.exited.set()
-
-
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
+def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
 
 
-def _text(capture: _Capture) -> str:
-    text = capture.data.decode("utf-8", "replace")
+def _text(capture: OutputTail) -> str:
+    text = capture.buffer.decode("utf-8", "replace")
     if capture.dropped:
         text += _note(text, f"{capture.dropped} more bytes of output dropped")
     return text
@@ -343,8 +315,8 @@ async def run_command(
     pipes still held by an escaped process are given up after a short grace.
     """
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.subprocess_exec(
-        lambda: _ExitHeard(limit=2**16, loop=loop),
+    transport, output = await loop.subprocess_exec(
+        lambda: CommandOutput(cap, head=True),
         *argv,
         cwd=cwd,
         env=env,
@@ -353,27 +325,21 @@ async def run_command(
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
-    proc = asyncio.subprocess.Process(transport, protocol, loop)
-    out, err = _Capture(), _Capture()
     timed_out = False
-    async with asyncio.TaskGroup() as tg:
-        readers = [
-            tg.create_task(_read_capped(proc.stdout, cap, out)),
-            tg.create_task(_read_capped(proc.stderr, cap, err)),
-        ]
+    try:
         try:
             async with asyncio.timeout(timeout_s):
-                await protocol.exited.wait()
+                await output.exited.wait()  # its own exit: a process it left may hold pipes
         except TimeoutError:
             timed_out = True
-        finally:
-            _kill_group(proc)
-            # the command's own exit: Process.wait() (3.11) waits for its pipes too, which
-            # a process that left the group may hold
-            await asyncio.shield(protocol.exited.wait())
-        _done, pending = await asyncio.wait(readers, timeout=2.0)
-        for task in pending:
-            task.cancel()
+    finally:
+        _kill_group(transport.get_pid())
+        await asyncio.shield(output.exited.wait())
+        with contextlib.suppress(TimeoutError):  # what is left in the pipes, briefly
+            async with asyncio.timeout(2.0):
+                await asyncio.shield(output.pipes_closed.wait())
+        transport.close()
+    out, err = output.stdout, output.stderr
     code = transport.get_returncode()
     assert code is not None
     stderr = _text(err)
