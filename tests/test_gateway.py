@@ -2011,11 +2011,14 @@ async def test_a_stream_that_goes_wrong_after_good_events_ends_with_an_error_aft
     assert call.choices[0].completion_token_ids == [1, 2, 3]  # what came before is kept
 
 
-def _flood_upstream(events: int, sent: list[int], *, gzip: bool = False) -> Starlette:
-    """An upstream that streams ``events`` content events (~1.5 KB each) as fast as its
-    socket takes them, counting in ``sent`` how many it has written; with ``gzip`` the
-    stream is compressed (``content-encoding: gzip``, flushed per event)."""
-    pad = "x" * 1400
+def _flood_upstream(
+    events: int, sent: list[int], *, gzip: bool = False, pad_chars: int = 1400
+) -> Starlette:
+    """An upstream that streams ``events`` content events (``pad_chars`` + ~100 bytes
+    each) as fast as its socket takes them, counting in ``sent`` how many it has written;
+    with ``gzip`` the stream is compressed (``content-encoding: gzip``, flushed per
+    event)."""
+    pad = "x" * pad_chars
 
     async def chat(request: Request) -> Response:
         async def body() -> AsyncIterator[bytes]:
@@ -2066,8 +2069,11 @@ async def test_an_agent_that_stops_reading_holds_upstream_back_and_loses_nothing
     # Upstream's events are written to the agent from upstream's read callback; when the
     # agent stops reading, the gateway stops reading upstream (it does not buffer the
     # stream), and once the agent reads again every event arrives, in order.
-    events, sent = 20_000, [0]
-    with serve_in_thread(_flood_upstream(events, sent)) as up:
+    # ~90 MB in all: more than the kernel can hold between upstream and the agent (the
+    # gateway's receive buffer alone autotunes up to net.ipv4.tcp_rmem's maximum, 32 MB
+    # on this machine: with ~30 MB the whole stream could sit there, held back or not).
+    events, sent, pad = 20_000, [0], 4500
+    with serve_in_thread(_flood_upstream(events, sent, pad_chars=pad)) as up:
         served: Served = serve([f"{up}/v1"])
         ro = await served.rollout()
         reader, writer = await _raw_stream_request(served, ro, rcvbuf=4096)
@@ -2076,12 +2082,12 @@ async def test_an_agent_that_stops_reading_holds_upstream_back_and_loses_nothing
             while sent[0] != last:  # wait until upstream cannot write any more
                 last = sent[0]
                 await asyncio.sleep(0.5)
-            assert 0 < sent[0] < events  # held back: ~30 MB in all, far more than buffers hold
+            assert 0 < sent[0] < events  # held back
             answer = await asyncio.wait_for(_read_chunked(reader), 60)
         finally:
             writer.close()
         assert sent[0] == events
-        assert _contents(answer) == [f"{i} {'x' * 1400}" for i in range(events)]
+        assert _contents(answer) == [f"{i} {'x' * pad}" for i in range(events)]
         [call] = await served.calls(ro["rollout_id"])
         await served.admin.aclose()
     assert call.error is None
